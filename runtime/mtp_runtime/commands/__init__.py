@@ -1,0 +1,1 @@
+"""One module per `mtp` subcommand (see mtp_runtime.cli)."""
