@@ -1,0 +1,205 @@
+"""helm lint / helm template of charts/mtp-operator, with default and
+non-default values; every rendered object validated against the Kubernetes
+schemas (strict: unknown fields are errors) of 1.28 and the newest release."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+
+KUBE_VERSIONS = ["1.28", kubernetes_validate.latest_version()]
+
+NON_DEFAULT_VALUES: dict[str, Any] = {
+    "image": {"repository": "registry.example/mtp/operator", "tag": "9.9.9", "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "fullnameOverride": "mtpop",
+    "serviceAccount": {"create": True, "name": "mtp-sa", "annotations": {"team": "infer"}},
+    "rbac": {"create": True, "clusterWide": False},
+    "watchNamespace": "models",
+    "settings": {"runtimeImage": "registry.example/mtp/runtime:9.9.9"},
+    "extraEnv": [{"name": "TZ", "value": "UTC"}],
+    "healthPort": 9090,
+    "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
+    "podAnnotations": {"example.com/scrape": "false"},
+    "podLabels": {"team": "infer"},
+    "priorityClassName": "system-cluster-critical",
+    "nodeSelector": {"kubernetes.io/os": "linux", "node-role": "control"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}
+                ]
+            }
+        }
+    },
+    "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
+}
+
+# The Prometheus Operator's ServiceMonitor is a CRD no Kubernetes schema set
+# knows; its spec is checked against the fields of monitoring.coreos.com/v1
+# that the chart uses (unknown fields rejected, like strict mode).
+SERVICE_MONITOR_SPEC_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["selector", "endpoints"],
+    "properties": {
+        "selector": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+        },
+        "namespaceSelector": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "any": {"type": "boolean"},
+                "matchNames": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "endpoints": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["port"],
+                "properties": {
+                    "port": {"type": "string"},
+                    "path": {"type": "string"},
+                    "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                    "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                },
+            },
+        },
+    },
+}
+
+
+def validate_object(obj: dict[str, Any], version: str) -> None:
+    if obj["kind"] == "ServiceMonitor":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        # Its metadata is an ordinary ObjectMeta: validate it as one.
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}, version, strict=True
+        )
+        jsonschema.validate(obj["spec"], SERVICE_MONITOR_SPEC_SCHEMA)
+        return
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.fixture(params=["default", "non-default"])
+def rendered(request, chart) -> list[dict[str, Any]]:
+    values = None if request.param == "default" else chart.values(NON_DEFAULT_VALUES)
+    return chart.template(values, include_crds=True)
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT_VALUES], ids=["default", "non-default"])
+def test_helm_lint_strict(chart, values):
+    args = ["lint", "--strict", str(chart.path)]
+    if values is not None:
+        args += ["--values", str(chart.values(values))]
+    done = chart.helm(*args)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_every_object_validates_strictly(rendered, version):
+    assert rendered, "the chart rendered nothing"
+    for obj in rendered:
+        try:
+            validate_object(obj, version)
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as err:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} is invalid for Kubernetes {version}: {err}")
+
+
+def test_validation_catches_a_bad_object(chart):
+    # The check above must be able to fail: a misspelled field is rejected.
+    deployment = chart.only(chart.template(), "Deployment")
+    deployment["spec"]["replicaz"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_default_objects(chart):
+    objects = chart.template()
+    kinds = sorted(obj["kind"] for obj in objects)
+    assert kinds == sorted(
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterRole", "ClusterRoleBinding", "Deployment"]
+    )
+    assert not chart.by_kind(objects, "ServiceMonitor")
+
+
+def test_operator_deployment_defaults(chart):
+    deployment = chart.only(chart.template(), "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "mtp-operator:0.1.0"
+    assert "--all-namespaces" in container["args"]
+    probe = container["livenessProbe"]
+    assert probe["httpGet"]["path"] == "/healthz"
+    port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert port_names[probe["httpGet"]["port"]] == 8080
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert pod["serviceAccountName"] == "mtp-mtp-operator"
+
+
+def test_operator_pod_security(rendered):
+    pod = [o for o in rendered if o["kind"] == "Deployment"][0]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    for container in pod["containers"]:
+        sc = container["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert "add" not in sc["capabilities"]
+        # A read-only root still needs somewhere for temporary files.
+        assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
+
+
+def test_non_default_values_reach_the_objects(chart):
+    objects = chart.template(chart.values(NON_DEFAULT_VALUES))
+    deployment = chart.only(objects, "Deployment")
+    assert deployment["metadata"]["name"] == "mtpop"
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "registry.example/mtp/operator:9.9.9"
+    assert container["imagePullPolicy"] == "Always"
+    assert "--namespace=models" in container["args"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["nodeSelector"] == NON_DEFAULT_VALUES["nodeSelector"]
+    assert pod["tolerations"] == NON_DEFAULT_VALUES["tolerations"]
+    assert pod["affinity"] == NON_DEFAULT_VALUES["affinity"]
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert pod["serviceAccountName"] == "mtp-sa"
+    assert deployment["spec"]["template"]["metadata"]["labels"]["team"] == "infer"
+    assert container["resources"] == NON_DEFAULT_VALUES["resources"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MTP_OPERATOR_RUNTIME_IMAGE"] == "registry.example/mtp/runtime:9.9.9"
+    assert env["TZ"] == "UTC"
+    assert {p["containerPort"] for p in container["ports"]} == {9090}
+    monitor = chart.only(objects, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["models"]}
+    assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
+
+
+def test_empty_settings_are_not_set(chart):
+    container = chart.only(chart.template(), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    names = [e["name"] for e in container["env"]]
+    assert "MTP_OPERATOR_RUNTIME_IMAGE" not in names
+
+
+def test_existing_service_account_must_be_named(chart):
+    values = chart.values({"serviceAccount": {"create": False, "name": ""}})
+    done = chart.helm("template", "x", str(chart.path), "--values", str(values))
+    assert done.returncode != 0
+    assert "serviceAccount.name" in done.stderr
