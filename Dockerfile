@@ -1,0 +1,104 @@
+# syntax=docker/dockerfile:1
+# Images of mtp-operator, one build target each:
+#   docker build --target operator    -t mtp-operator:0.1.0 .
+#   docker build --target runtime     -t mtp-runtime:0.1.0 .
+#   docker build --target runtime-npu -t mtp-runtime-npu:0.1.0 \
+#       --build-arg CANN_BASE_IMAGE=<a CANN image matching your NPU driver> .
+# The runtime images run `mtp serve` (every rank) and `mtp export` (the export
+# Job); the operator image runs `mtp operator` (kopf underneath).
+
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+# Ascend CANN base for the NPU runtime: CANN toolkit + Python 3.11, aarch64 or
+# x86_64. Pick the tag that matches the NPU driver on your nodes.
+ARG CANN_BASE_IMAGE=ascendai/cann:8.2.rc1-910b-ubuntu22.04-py3.11
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_NPU_VERSION=2.13.0
+# CPU-only torch builds live on PyTorch's own index, not on PyPI.
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ARG PIP_VERSION=25.2
+ARG APP_UID=10001
+
+# ---------------------------------------------------------------- wheel
+# Builds the project wheel once; every image installs it with its extras.
+FROM ${PYTHON_IMAGE} AS wheel
+ARG PIP_VERSION
+WORKDIR /src
+RUN python -m pip install --no-cache-dir "pip==${PIP_VERSION}"
+COPY pyproject.toml README.md ./
+COPY operator ./operator
+COPY runtime ./runtime
+RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---------------------------------------------------------------- python-base
+FROM ${PYTHON_IMAGE} AS python-base
+ARG PIP_VERSION
+ARG APP_UID
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m pip install "pip==${PIP_VERSION}" \
+    && groupadd --gid "${APP_UID}" mtp \
+    && useradd --uid "${APP_UID}" --gid "${APP_UID}" --create-home --shell /usr/sbin/nologin mtp
+WORKDIR /home/mtp
+
+# ---------------------------------------------------------------- operator
+# Slim: pydantic, kopf, the kubernetes client; no torch.
+FROM python-base AS operator
+ARG APP_UID
+COPY --from=wheel /wheels /wheels
+RUN wheel="$(ls /wheels/mtp_operator-*.whl)" \
+    && python -m pip install "${wheel}[operator]" \
+    && rm -rf /wheels
+USER ${APP_UID}:${APP_UID}
+ENTRYPOINT ["mtp"]
+CMD ["operator", "--all-namespaces"]
+
+# ---------------------------------------------------------------- runtime
+# CPU runtime: torch pinned and installed first from the CPU index, so the
+# runtime extra cannot pull a CUDA build.
+FROM python-base AS runtime
+ARG APP_UID
+ARG TORCH_VERSION
+ARG TORCH_CPU_INDEX
+COPY --from=wheel /wheels /wheels
+RUN python -m pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}" \
+    && wheel="$(ls /wheels/mtp_operator-*.whl)" \
+    && python -m pip install "torch==${TORCH_VERSION}" "${wheel}[runtime]" \
+    && rm -rf /wheels \
+    && mtp serve --help > /dev/null && mtp export --help > /dev/null
+USER ${APP_UID}:${APP_UID}
+EXPOSE 8000
+ENTRYPOINT ["mtp"]
+CMD ["serve", "--help"]
+
+# ---------------------------------------------------------------- runtime-npu
+# Ascend NPU runtime on a CANN base image: torch (CPU build, as torch_npu
+# expects) + torch_npu of the same version.
+FROM ${CANN_BASE_IMAGE} AS runtime-npu
+ARG APP_UID
+ARG TORCH_VERSION
+ARG TORCH_NPU_VERSION
+ARG TORCH_CPU_INDEX
+ARG PIP_VERSION
+# NPU device nodes belong to the HwHiAiUser group on the host; the runtime
+# user joins a group of that id so it can open them without being root.
+ARG ASCEND_GID=1000
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY --from=wheel /wheels /wheels
+RUN python3 -m pip install "pip==${PIP_VERSION}" \
+    && python3 -m pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}" \
+    && wheel="$(ls /wheels/mtp_operator-*.whl)" \
+    && python3 -m pip install "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" "${wheel}[runtime]" \
+    && rm -rf /wheels \
+    && (getent group "${ASCEND_GID}" > /dev/null || groupadd --gid "${ASCEND_GID}" HwHiAiUser) \
+    && useradd --uid "${APP_UID}" --gid "${ASCEND_GID}" --create-home --shell /usr/sbin/nologin mtp
+WORKDIR /home/mtp
+USER ${APP_UID}:${ASCEND_GID}
+EXPOSE 8000
+# CANN's libraries are found only after its set_env.sh has run.
+ENTRYPOINT ["bash", "-c", "source /usr/local/Ascend/ascend-toolkit/set_env.sh && exec mtp \"$@\"", "mtp"]
+CMD ["serve", "--help"]

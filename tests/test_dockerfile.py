@@ -1,0 +1,177 @@
+"""What can be checked of the Dockerfile without a Docker engine: the build
+targets, the base-image and version build args, the entrypoints' commands
+existing in the package, non-root users, and the build context."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = ("operator", "runtime", "runtime-npu")
+
+
+@dataclass
+class Stage:
+    name: str
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def last(self, keyword: str) -> str | None:
+        values = [arg for kw, arg in self.instructions if kw == keyword]
+        return values[-1] if values else None
+
+
+def dockerfile_lines(text: str) -> list[str]:
+    """Logical lines: comments dropped, backslash continuations joined."""
+    lines, current = [], ""
+    for raw in text.splitlines():
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            current += stripped[:-1] + " "
+            continue
+        lines.append(current + stripped)
+        current = ""
+    assert not current, "Dockerfile ends inside a line continuation"
+    return lines
+
+
+def parse_dockerfile(text: str) -> tuple[dict[str, str | None], dict[str, Stage]]:
+    """(global ARGs before the first FROM with their defaults, stages by name)."""
+    global_args: dict[str, str | None] = {}
+    stages: dict[str, Stage] = {}
+    stage: Stage | None = None
+    for line in dockerfile_lines(text):
+        keyword, _, arg = line.partition(" ")
+        keyword, arg = keyword.upper(), arg.strip()
+        if keyword == "FROM":
+            match = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", arg, re.IGNORECASE)
+            assert match, f"every stage must be named: FROM {arg}"
+            stage = Stage(name=match.group(2), base=match.group(1))
+            stages[stage.name] = stage
+        elif stage is None:
+            assert keyword == "ARG", f"only ARG may precede the first FROM, got {keyword}"
+            name, _, default = arg.partition("=")
+            global_args[name] = default or None
+        else:
+            stage.instructions.append((keyword, arg))
+    return global_args, stages
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> tuple[dict[str, str | None], dict[str, Stage]]:
+    return parse_dockerfile((REPO / "Dockerfile").read_text())
+
+
+def chain(stages: dict[str, Stage], name: str) -> list[Stage]:
+    """The stage and the stages it is built FROM, nearest first."""
+    out = [stages[name]]
+    while out[-1].base in stages:
+        out.append(stages[out[-1].base])
+    return out
+
+
+def test_targets_exist(dockerfile):
+    _, stages = dockerfile
+    for target in TARGETS:
+        assert target in stages, f"Dockerfile has no `{target}` target"
+
+
+def test_base_images_are_build_args(dockerfile):
+    global_args, stages = dockerfile
+    assert stages["runtime-npu"].base == "${CANN_BASE_IMAGE}"
+    assert global_args.get("CANN_BASE_IMAGE"), "CANN_BASE_IMAGE needs a default tag"
+    python_image = global_args["PYTHON_IMAGE"]
+    # Pinned: a patch version, never `latest` or a bare major.minor.
+    assert re.fullmatch(r"python:3\.\d+\.\d+-slim-\w+", python_image), python_image
+    for name in ("operator", "runtime"):
+        assert chain(stages, name)[-1].base == "${PYTHON_IMAGE}"
+
+
+def test_every_arg_used_in_a_stage_is_declared_there(dockerfile):
+    # A global ARG is invisible inside a stage until re-declared: forgetting
+    # that silently expands to an empty string.
+    global_args, stages = dockerfile
+    for stage in stages.values():
+        declared = {arg.partition("=")[0] for kw, arg in stage.instructions if kw == "ARG"}
+        for keyword, arg in stage.instructions:
+            for used in re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", arg):
+                if used in global_args:
+                    assert used in declared, f"stage {stage.name}: {keyword} uses ${used} without `ARG {used}`"
+
+
+def test_torch_pins_match_the_package(dockerfile):
+    global_args, _ = dockerfile
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    runtime_extra = pyproject["project"]["optional-dependencies"]["runtime"]
+    torch_pin = next(req for req in runtime_extra if req.startswith("torch=="))
+    assert global_args["TORCH_VERSION"] == torch_pin.removeprefix("torch==")
+    # torch_npu releases track torch's version; a mismatch fails at import.
+    npu = global_args["TORCH_NPU_VERSION"]
+    assert npu.split(".")[:2] == global_args["TORCH_VERSION"].split(".")[:2]
+
+
+def final_user(stages: dict[str, Stage], target: str) -> str:
+    """The user a target's container starts as (root when no USER is set)."""
+    user = next((s.last("USER") for s in chain(stages, target) if s.last("USER")), None)
+    return (user or "root").split(":")[0]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_targets_end_as_non_root(dockerfile, target):
+    _, stages = dockerfile
+    assert final_user(stages, target) not in ("root", "0")
+
+
+def test_final_user_sees_root():
+    _, stages = parse_dockerfile("FROM a AS one\nUSER 10\nFROM one AS two\nRUN x\nFROM a AS three\n")
+    assert final_user(stages, "two") == "10"
+    assert final_user(stages, "three") == "root"
+
+
+def entrypoint_argv(stage: Stage) -> list[str]:
+    import json
+
+    return json.loads(stage.last("ENTRYPOINT")) + json.loads(stage.last("CMD") or "[]")
+
+
+def test_entrypoints_are_the_mtp_console_script(dockerfile):
+    _, stages = dockerfile
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert "mtp" in scripts
+    assert entrypoint_argv(stages["operator"])[:2] == ["mtp", "operator"]
+    assert entrypoint_argv(stages["runtime"])[:2] == ["mtp", "serve"]
+    npu = entrypoint_argv(stages["runtime-npu"])
+    assert npu[:2] == ["bash", "-c"] and "exec mtp" in npu[2]
+    assert npu[4:] == ["serve", "--help"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["operator", "--help"], ["serve", "--help"], ["export", "--help"]],
+    ids=lambda argv: argv[0],
+)
+def test_entrypoint_subcommands_exist(argv):
+    # The images run exactly these; the runtime build also runs them as a smoke test.
+    done = subprocess.run([sys.executable, "-m", "mtp_runtime", *argv], capture_output=True, text=True)
+    assert done.returncode == 0, f"mtp {' '.join(argv)} failed:\n{done.stderr[-2000:]}"
+
+
+def test_dockerignore_keeps_the_context_small():
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert patterns[0] == "*", "allow-list: ignore everything first"
+    allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+    # Exactly what the wheel stage COPYs.
+    assert allowed == {"pyproject.toml", "README.md", "operator", "runtime"}
+    copied = re.findall(r"^COPY (?!--from)(.+?) \S+$", (REPO / "Dockerfile").read_text(), re.MULTILINE)
+    sources = {src for line in copied for src in line.split()}
+    assert sources == allowed
