@@ -1,0 +1,1 @@
+"""Multi-node runtime: rendezvous, failing together, step plans, sharding."""

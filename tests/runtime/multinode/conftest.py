@@ -1,0 +1,86 @@
+"""Fixtures: node ranks as real processes on loopback, with their output."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+RANK_SCRIPT = Path(__file__).with_name("rank_process.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RankProcess:
+    """A rank's process plus a reader thread, so waiting never blocks on a pipe."""
+
+    def __init__(self, script: Path, *args: object) -> None:
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), *map(str, args)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_line(self, needle: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(needle in line for line in self.lines):
+                return
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line with {needle!r} within {timeout_s}s; output:\n{self.output}")
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Exit code, or None if still running at the deadline."""
+        try:
+            code = self.proc.wait(timeout=max(0.1, timeout_s))
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(timeout=5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def free_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture
+def start_rank():
+    """start_rank(*args) -> RankProcess running rank_process.py; all killed at teardown."""
+    started: list[RankProcess] = []
+
+    def start(*args: object, script: Path = RANK_SCRIPT) -> RankProcess:
+        started.append(RankProcess(script, *args))
+        return started[-1]
+
+    yield start
+    for rank in started:
+        rank.kill()

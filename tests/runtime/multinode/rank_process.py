@@ -1,0 +1,94 @@
+"""One node rank, run as a real process by the multi-node tests.
+
+    python rank_process.py MODE RANK NNODES PORT [--resolve-delay S] [--timeout S]
+
+MODE rendezvous: join the group, all_reduce(rank + 1), print the sum, exit 0.
+MODE lockstep:   join, start the heartbeat, then all_reduce forever (a stand-in
+                 for lockstep forwards); rank 0's failure hook prints a line.
+MODE shutdown:   join, start the heartbeat; rank 0 announces a clean shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from mtp_runtime.multinode.liveness import Heartbeat
+from mtp_runtime.multinode.node_state import NodeState
+from mtp_runtime.multinode.rendezvous import RendezvousConfig, mark_group_ready, rendezvous
+
+# Name the master goes by in these tests; it only "resolves" through the
+# injected resolver below, never through real DNS.
+MASTER_NAME = "mtp-test-0.mtp-test"
+
+
+def delayed_resolver(delay_s: float):
+    """A resolver whose answer appears delay_s after the first lookup."""
+    first_lookup: list[float] = []
+
+    def resolve(host: str) -> str:
+        first_lookup.append(time.monotonic())
+        if host != MASTER_NAME or time.monotonic() - first_lookup[0] < delay_s:
+            raise OSError(f"Name or service not known: {host}")
+        return "127.0.0.1"
+
+    return resolve
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["rendezvous", "lockstep", "shutdown"])
+    parser.add_argument("rank", type=int)
+    parser.add_argument("nnodes", type=int)
+    parser.add_argument("port", type=int)
+    parser.add_argument("--resolve-delay", type=float, default=0.0)
+    parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--startup-timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
+
+    cfg = RendezvousConfig(
+        f"{MASTER_NAME}:{args.port}", args.nnodes, node_rank=str(args.rank),
+        startup_timeout_s=args.startup_timeout, backoff_initial_s=0.2, backoff_max_s=1.0,
+    )
+    state = NodeState()
+    group = rendezvous(cfg, state, resolve=delayed_resolver(args.resolve_delay))
+    state.loading()
+    mark_group_ready(group, state, timeout_s=args.startup_timeout)
+    print(f"STATE {state.health()[1]['state']}", flush=True)
+
+    if args.mode == "rendezvous":
+        total = torch.tensor([float(args.rank + 1)])
+        dist.all_reduce(total)
+        print(f"SUM {int(total.item())}", flush=True)
+        dist.destroy_process_group()
+        return 0
+
+    heartbeat = Heartbeat(group.store, group.rank, group.world_size, timeout_s=args.timeout, state=state)
+    if group.rank == 0:
+        heartbeat.add_failure_hook(lambda reason: print(f"HOOK failing in-flight requests: {reason}", flush=True))
+    heartbeat.start()
+    if args.mode == "shutdown":
+        if group.rank == 0:
+            time.sleep(1.0)
+            heartbeat.announce_shutdown()
+            return 0
+        time.sleep(60)
+        return 1  # never reached when the shutdown arrives
+    print("LOCKSTEP", flush=True)
+    step = torch.zeros(1)
+    while True:
+        try:
+            dist.all_reduce(step)
+        except Exception as exc:
+            heartbeat.on_collective_error(exc)
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
