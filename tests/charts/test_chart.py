@@ -9,6 +9,7 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 KUBE_VERSIONS = ["1.28", kubernetes_validate.latest_version()]
 
@@ -142,7 +143,10 @@ def test_operator_deployment_defaults(chart):
     pod = spec["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == "mtp-operator:0.1.0"
-    assert "--all-namespaces" in container["args"]
+    assert container["args"] == ["operator"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MTP_OPERATOR_ALL_NAMESPACES"] == "true"
+    assert "MTP_OPERATOR_NAMESPACE" not in env
     probe = container["livenessProbe"]
     assert probe["httpGet"]["path"] == "/healthz"
     port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -173,7 +177,6 @@ def test_non_default_values_reach_the_objects(chart):
     (container,) = pod["containers"]
     assert container["image"] == "registry.example/mtp/operator:9.9.9"
     assert container["imagePullPolicy"] == "Always"
-    assert "--namespace=models" in container["args"]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["nodeSelector"] == NON_DEFAULT_VALUES["nodeSelector"]
     assert pod["tolerations"] == NON_DEFAULT_VALUES["tolerations"]
@@ -185,6 +188,8 @@ def test_non_default_values_reach_the_objects(chart):
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MTP_OPERATOR_RUNTIME_IMAGE"] == "registry.example/mtp/runtime:9.9.9"
     assert env["TZ"] == "UTC"
+    assert env["MTP_OPERATOR_NAMESPACE"] == "models"
+    assert "MTP_OPERATOR_ALL_NAMESPACES" not in env
     assert {p["containerPort"] for p in container["ports"]} == {9090}
     monitor = chart.only(objects, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom"
@@ -203,3 +208,46 @@ def test_existing_service_account_must_be_named(chart):
     done = chart.helm("template", "x", str(chart.path), "--values", str(values))
     assert done.returncode != 0
     assert "serviceAccount.name" in done.stderr
+
+
+def test_settings_env_is_what_the_operator_reads(chart):
+    # Every settings key of values.yaml, given a value, must become an
+    # MTP_OPERATOR_* variable that OperatorSettings knows and accepts.
+    from mtp_operator.settings import PREFIX, OperatorSettings
+
+    defaults = yaml.safe_load((chart.path / "values.yaml").read_text())
+    samples = {"runtimeImage": "r:1", "npuRuntimeImage": "n:1", "imagePullSecrets": "a,b",
+               "metricsInterval": 7, "gangRestartBudget": 2, "gangRestartBackoff": 3}
+    assert set(defaults["settings"]) == set(samples), "new settings key: add a sample value here"
+    for rbac_mode in (True, False):
+        values = chart.values({"settings": samples, "rbac": {"clusterWide": rbac_mode}}, f"v{rbac_mode}.yaml")
+        container = chart.only(chart.template(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith(PREFIX)}
+        known = {PREFIX + f.upper() for f in OperatorSettings.__dataclass_fields__ if not f.startswith("_")}
+        assert set(env) <= known, f"the operator does not read {set(env) - known}"
+        settings = OperatorSettings.from_env(env)
+        assert settings.metrics_interval == 7.0 and settings.image_pull_secrets == ("a", "b")
+        assert settings.npu_runtime_image == "n:1" and settings.health_port == 8080
+        assert settings.all_namespaces is rbac_mode
+        assert settings.namespace == (() if rbac_mode else (chart.namespace,))
+
+
+def test_chart_crd_is_the_generated_one(chart):
+    from mtp_operator.crd import render_crd
+
+    objects = chart.template(include_crds=True)
+    crd = chart.only(objects, "CustomResourceDefinition")
+    assert crd == yaml.safe_load(render_crd())
+    assert crd["metadata"]["name"] == "mtpdeployments.mtp.inference.dev"
+
+
+def test_service_monitor_selects_the_operators_server_services(chart):
+    from mtp_operator import constants as c
+
+    monitor = chart.only(chart.template(chart.values({"serviceMonitor": {"enabled": True}})), "ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"] == {
+        c.LABEL_MANAGED_BY: c.MANAGED_BY_VALUE,
+        c.LABEL_COMPONENT: c.COMPONENT_SERVER,
+    }
+    assert monitor["spec"]["endpoints"][0]["port"] == c.PORT_NAME_HTTP
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
