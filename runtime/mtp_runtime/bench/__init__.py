@@ -1,0 +1,1 @@
+"""`mtp bench`: the serving benchmark (TTFT, TPOT, throughput, acceptance vs concurrency)."""

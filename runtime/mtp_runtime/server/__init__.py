@@ -1,0 +1,1 @@
+"""`mtp serve`: the OpenAI-compatible HTTP server each pod runs."""

@@ -1,0 +1,219 @@
+"""The FastAPI app: OpenAI endpoints, /health and /metrics over an AsyncEngine.
+
+Every failure a client can cause is answered as OpenAI-shaped JSON with its
+status (400 bad input, 401 key, 404 model, 429 full, 503 not ready); nothing
+a request sends can take the server down. A request whose client goes away
+is aborted in the engine, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .async_engine import AsyncEngine, EngineFailure, EngineNotReadyError, QueueFullError
+from .chat_template import ChatTemplate, ChatTemplateError
+from .metrics import CONTENT_TYPE_LATEST
+from .openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    models_body,
+    new_id,
+    usage_chunk,
+    validation_error_to_api_error,
+)
+from .request_builder import RequestBuilder
+from .sse import SSE_DONE, SSE_MEDIA_TYPE, sse_event
+
+log = logging.getLogger("mtp.serve")
+
+# Non-streamed requests look for a vanished client this often while they wait.
+_DISCONNECT_POLL_S = 0.5
+
+
+def create_app(engine: AsyncEngine, builder: RequestBuilder, served_model_name: str, model_path: str,
+               api_key: str | None, health_extra: dict | None = None) -> FastAPI:
+    app = FastAPI(title="mtp serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.draining = False
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        err = APIError(exc.status_code, str(exc.detail), type_="invalid_request_error")
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unexpected error")
+        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send Authorization: Bearer <key>",
+                           type_="authentication_error", code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != served_model_name:
+            raise APIError(404, f"model: {name!r} does not exist; this server serves {served_model_name!r}",
+                           type_="invalid_request_error", param="model", code="model_not_found")
+
+    async def parse(request: Request, model_cls):
+        check_api_key(request)
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        try:
+            parsed = model_cls.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error_to_api_error(exc) from None
+        check_model(parsed.model)
+        return parsed
+
+    def submit(request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", type_="server_error", code="shutting_down")
+        try:
+            return engine.add_request(request_id, prompt_ids, params)
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
+        except EngineNotReadyError as exc:
+            raise APIError(503, str(exc), type_="server_error", code="not_ready") from None
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest)
+        prompt_ids = builder.completion_prompt_ids(req.prompt)
+        params = builder.sampling_params(req, len(prompt_ids), req.max_tokens, prompt_param="prompt")
+        request_id = new_id("cmpl")
+        outputs = submit(request_id, prompt_ids, params)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            events = _stream(engine, request_id, outputs, served_model_name, "completion", include_usage)
+            return StreamingResponse(events, media_type=SSE_MEDIA_TYPE)
+        out = await _collect(engine, request, request_id, outputs)
+        return completion_body(request_id, served_model_name, out.text, out.finish_reason,
+                               len(out.prompt_token_ids), len(out.token_ids))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request, ChatCompletionRequest)
+        try:
+            prompt_ids = builder.chat_prompt_ids(req)
+        except ChatTemplateError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages", code="chat_template_error") from None
+        params = builder.sampling_params(req, len(prompt_ids), req.requested_max_tokens(), prompt_param="messages")
+        request_id = new_id("chatcmpl")
+        outputs = submit(request_id, prompt_ids, params)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            events = _stream(engine, request_id, outputs, served_model_name, "chat", include_usage)
+            return StreamingResponse(events, media_type=SSE_MEDIA_TYPE)
+        out = await _collect(engine, request, request_id, outputs)
+        return chat_body(request_id, served_model_name, out.text, out.finish_reason,
+                         len(out.prompt_token_ids), len(out.token_ids))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_api_key(request)
+        return models_body(served_model_name, model_path)
+
+    @app.get("/health")
+    async def health():
+        status, body = engine.node_state.health()
+        body.update(health_extra or {})
+        body.update(engine.health_stats())
+        if app.state.draining:
+            status, body["state"] = 503, "draining"
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _text_delta(text: str, sent: int, finished: bool) -> str:
+    # A trailing U+FFFD is half of a multi-byte character; wait for the rest unless done.
+    end = len(text) if finished else len(text.rstrip("\ufffd"))
+    return text[sent:end] if end > sent else ""
+
+
+async def _collect(engine: AsyncEngine, request: Request, request_id: str, outputs: asyncio.Queue):
+    finished = False
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(outputs.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise APIError(499, "client disconnected", code="client_closed") from None
+                continue
+            if isinstance(item, EngineFailure):
+                finished = True
+                raise APIError(500, item.message, type_="server_error", code="engine_error")
+            if item.finished:
+                finished = True
+                return item
+    finally:
+        if not finished:
+            engine.abort_request(request_id)
+
+
+async def _stream(engine: AsyncEngine, request_id: str, outputs: asyncio.Queue, model: str, kind: str,
+                  include_usage: bool):
+    finished = False
+    sent = 0
+    try:
+        if kind == "chat":
+            yield sse_event(chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None))
+        while True:
+            item = await outputs.get()
+            if isinstance(item, EngineFailure):
+                finished = True
+                yield sse_event({"error": APIError(500, item.message, type_="server_error").body()["error"]})
+                yield SSE_DONE
+                return
+            delta = _text_delta(item.text, sent, item.finished)
+            sent += len(delta)
+            reason = item.finish_reason if item.finished else None
+            if delta or item.finished or item.new_token_ids:
+                if kind == "chat":
+                    yield sse_event(chat_chunk(request_id, model, {"content": delta} if delta else {}, reason))
+                else:
+                    yield sse_event(completion_chunk(request_id, model, delta, reason))
+            if item.finished:
+                finished = True
+                if include_usage:
+                    object_ = "chat.completion.chunk" if kind == "chat" else "text_completion"
+                    yield sse_event(usage_chunk(request_id, model, object_, len(item.prompt_token_ids),
+                                                len(item.token_ids)))
+                yield SSE_DONE
+                return
+    finally:
+        if not finished:  # client went away or the server is cancelling us: free the blocks
+            engine.abort_request(request_id)

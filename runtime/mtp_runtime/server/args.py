@@ -1,0 +1,223 @@
+"""`mtp serve` flags: the xLLM launch names, parsed and validated up front.
+
+Both `--flag=value` and `--flag value` work (argparse); booleans take
+`--x=true|false` (a bare `--x` means true). Everything this build cannot
+honour is rejected here, at start, with the flag named, so a pod fails fast
+with a readable log instead of misbehaving under load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, field
+
+from mtp_runtime.multinode.node_rank import POD_INDEX_ENV, NodeRankError, resolve_node_rank
+
+API_KEY_ENV = "MTP_API_KEY"  # used when --api_key is not given
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE_RE = re.compile(r"^(cpu|cuda:\d+|npu:\d+)$")
+
+
+class ServeArgsError(ValueError):
+    """A flag value this build cannot honour; the message starts with the flag."""
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    # Abbreviations would let a typo like --draft silently mean --draft_model.
+    parser.allow_abbrev = False
+    add = parser.add_argument
+    add("--model", required=True, help="main model directory (Hugging Face layout)")
+    add("--draft_model", default=None, help="MTP draft model directory (from `mtp export`)")
+    add("--num_speculative_tokens", type=int, default=None,
+        help="draft tokens per step (default 1 with --draft_model, else 0)")
+    add("--devices", default="cpu", help="cpu, cuda:N or npu:N (comma list for several)")
+    add("--draft_devices", default=None, help="devices of the draft model (default: --devices)")
+    add("--host", default="0.0.0.0", help="address to listen on")
+    add("--port", type=int, default=8000, help="HTTP port (API, /health, /metrics)")
+    add("--master_node_addr", default=None, help="HOST:PORT of rank 0 (multi-node)")
+    add("--nnodes", type=int, default=1, help="number of node ranks")
+    add("--node_rank", default="0", help=f"this node's rank, or auto (${POD_INDEX_ENV} or hostname ordinal)")
+    add("--max_memory_utilization", type=float, default=0.9,
+        help="fraction of device memory (CPU: free RAM) for weights and KV cache")
+    add("--max_tokens_per_batch", type=int, default=2048, help="token budget of one engine step")
+    add("--max_seqs_per_batch", type=int, default=64, help="sequences in one engine step")
+    add("--block_size", type=int, default=16, help="tokens per KV cache block")
+    add("--ep_size", type=int, default=1, help="expert-parallel size")
+    add("--dp_size", type=int, default=1, help="attention data-parallel size")
+    for name, default, what in (
+        ("enable_prefix_cache", False, "reuse KV blocks of shared prompt prefixes"),
+        ("enable_chunked_prefill", True, "split long prompts over several steps"),
+    ):
+        add(f"--{name}", type=parse_bool, nargs="?", const=True, default=default,
+            metavar="true|false", help=f"{what} (default {str(default).lower()})")
+    add("--served_model_name", default=None, help="model name in the API (default: --model's folder name)")
+    add("--dtype", default="auto", choices=DTYPES, help="working dtype (auto: bfloat16 on accelerators, float32 on cpu)")
+    add("--api_key", default=None, help=f"required Bearer token (or ${API_KEY_ENV})")
+    add("--max_waiting_requests", type=int, default=256,
+        help="queued requests beyond which new ones get 429")
+    add("--max_model_len", type=int, default=None, help="context limit (default: the model's)")
+    add("--shutdown_timeout", type=float, default=30.0,
+        help="seconds SIGTERM waits for in-flight requests before aborting them")
+
+
+@dataclass
+class ServeArgs:
+    model: str
+    draft_model: str | None
+    num_speculative_tokens: int
+    devices: list[str]
+    draft_devices: list[str]
+    host: str
+    port: int
+    master_node_addr: str | None
+    nnodes: int
+    node_rank: int
+    max_memory_utilization: float
+    max_tokens_per_batch: int
+    max_seqs_per_batch: int
+    block_size: int
+    ep_size: int
+    dp_size: int
+    enable_prefix_cache: bool
+    enable_chunked_prefill: bool
+    served_model_name: str
+    dtype: str
+    api_key: str | None
+    max_waiting_requests: int
+    max_model_len: int | None
+    shutdown_timeout: float
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+def parse_devices(flag: str, text: str) -> list[str]:
+    devices = [d.strip() for d in text.split(",") if d.strip()]
+    if not devices:
+        raise ServeArgsError(f"--{flag}: empty device list; use cpu, cuda:N or npu:N")
+    for d in devices:
+        if not _DEVICE_RE.match(d):
+            raise ServeArgsError(f"--{flag}: {d!r} is not a device; use cpu, cuda:N or npu:N")
+    kinds = {d.split(":")[0] for d in devices}
+    if len(kinds) > 1:
+        raise ServeArgsError(f"--{flag}: mixes device kinds {sorted(kinds)}; use one kind")
+    if len(set(devices)) != len(devices):
+        raise ServeArgsError(f"--{flag}: lists a device twice: {text}")
+    return devices
+
+
+def _check_range(flag: str, value: float, low: float, high: float | None = None,
+                 low_inclusive: bool = True) -> None:
+    too_low = value < low if low_inclusive else value <= low
+    if too_low or (high is not None and value > high):
+        bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
+        raise ServeArgsError(f"--{flag}: {value} is out of range; it must be {bound}")
+
+
+def _check_accelerator(flag: str, devices: list[str]) -> None:
+    kind = devices[0].split(":")[0]
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError as exc:
+            raise ServeArgsError(
+                f"--{flag}: {devices[0]} needs torch_npu, which is not installed ({exc}); "
+                "install the npu extra (pip install 'mtp-operator[npu]') on an Ascend CANN image, "
+                "or use --devices cpu"
+            ) from None
+    elif kind == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for d in devices:
+            if int(d.split(":")[1]) >= count:
+                raise ServeArgsError(f"--{flag}: {d} is not available (this host has {count} CUDA devices)")
+
+
+def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = None,
+                        hostname: str | None = None, check_devices: bool = True) -> ServeArgs:
+    """Turn parsed flags into ServeArgs, or raise ServeArgsError naming the flag."""
+    env = dict(os.environ if env is None else env)
+    if not os.path.isfile(os.path.join(ns.model, "config.json")):
+        raise ServeArgsError(f"--model: {ns.model} has no config.json; pass a model directory")
+    if ns.draft_model is not None and not os.path.isfile(os.path.join(ns.draft_model, "config.json")):
+        raise ServeArgsError(f"--draft_model: {ns.draft_model} has no config.json; pass the `mtp export` output")
+    k = ns.num_speculative_tokens
+    if k is None:
+        k = 1 if ns.draft_model else 0
+    _check_range("num_speculative_tokens", k, 0, 8)
+    if k > 0 and ns.draft_model is None:
+        raise ServeArgsError("--num_speculative_tokens: needs --draft_model (the MTP draft to propose tokens)")
+    devices = parse_devices("devices", ns.devices)
+    draft_devices = parse_devices("draft_devices", ns.draft_devices or ns.devices)
+    if len(devices) > 1:
+        raise ServeArgsError(
+            f"--devices: {len(devices)} devices in one process are not supported by this build; "
+            "run one rank per device with --nnodes"
+        )
+    if draft_devices != devices:
+        raise ServeArgsError("--draft_devices: must equal --devices in this build (the draft shares the main device)")
+    _check_range("port", ns.port, 1, 65535)
+    _check_range("nnodes", ns.nnodes, 1)
+    try:
+        node_rank = resolve_node_rank(ns.node_rank, ns.nnodes, env, hostname)
+    except NodeRankError as exc:
+        message = str(exc)
+        raise ServeArgsError(message if message.startswith("--node_rank") else f"--node_rank: {message}") from None
+    if ns.master_node_addr is not None:
+        host, sep, port = ns.master_node_addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ServeArgsError(f"--master_node_addr: {ns.master_node_addr!r} is not HOST:PORT")
+    if ns.nnodes > 1:
+        if ns.master_node_addr is None:
+            raise ServeArgsError("--master_node_addr: required when --nnodes > 1")
+        raise ServeArgsError(
+            f"--nnodes: {ns.nnodes} nodes are not supported by this build yet (multi-node serving "
+            "is not implemented); use --nnodes 1"
+        )
+    _check_range("max_memory_utilization", ns.max_memory_utilization, 0.0, 1.0, low_inclusive=False)
+    _check_range("max_tokens_per_batch", ns.max_tokens_per_batch, 1)
+    _check_range("max_seqs_per_batch", ns.max_seqs_per_batch, 1)
+    _check_range("block_size", ns.block_size, 1, 1024)
+    _check_range("ep_size", ns.ep_size, 1)
+    if ns.ep_size > ns.nnodes * len(devices):
+        raise ServeArgsError(
+            f"--ep_size: {ns.ep_size} exceeds the {ns.nnodes * len(devices)} devices of the group"
+        )
+    _check_range("dp_size", ns.dp_size, 1)
+    if ns.dp_size > 1:
+        raise ServeArgsError("--dp_size: attention data parallelism is not supported by this build; use --dp_size 1")
+    _check_range("max_waiting_requests", ns.max_waiting_requests, 0)
+    if ns.max_model_len is not None:
+        _check_range("max_model_len", ns.max_model_len, 1)
+    _check_range("shutdown_timeout", ns.shutdown_timeout, 0.0)
+    if check_devices:
+        _check_accelerator("devices", devices)
+    served = ns.served_model_name or os.path.basename(os.path.normpath(ns.model))
+    if not served.strip():
+        raise ServeArgsError("--served_model_name: must not be empty")
+    api_key = ns.api_key if ns.api_key is not None else (env.get(API_KEY_ENV) or None)
+    if api_key is not None and not api_key.strip():
+        raise ServeArgsError("--api_key: must not be empty (omit it to serve without a key)")
+    return ServeArgs(
+        model=ns.model, draft_model=ns.draft_model, num_speculative_tokens=k,
+        devices=devices, draft_devices=draft_devices, host=ns.host, port=ns.port,
+        master_node_addr=ns.master_node_addr, nnodes=ns.nnodes, node_rank=node_rank,
+        max_memory_utilization=ns.max_memory_utilization,
+        max_tokens_per_batch=ns.max_tokens_per_batch, max_seqs_per_batch=ns.max_seqs_per_batch,
+        block_size=ns.block_size, ep_size=ns.ep_size, dp_size=ns.dp_size,
+        enable_prefix_cache=ns.enable_prefix_cache, enable_chunked_prefill=ns.enable_chunked_prefill,
+        served_model_name=served, dtype=ns.dtype, api_key=api_key,
+        max_waiting_requests=ns.max_waiting_requests, max_model_len=ns.max_model_len,
+        shutdown_timeout=ns.shutdown_timeout, env=env,
+    )

@@ -1,0 +1,199 @@
+"""The engine stepping in a background thread, feeding per-request asyncio queues.
+
+Only the engine thread touches the engine: HTTP handlers post add/abort
+commands to a thread-safe queue, and the thread hands every RequestOutput to
+its request's asyncio.Queue with call_soon_threadsafe. The thread also loads
+the model, so /health can answer 503 "loading" while weights are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mtp_runtime.multinode.node_state import FAILED, READY, NodeState
+
+from .metrics import ServerMetrics
+
+log = logging.getLogger("mtp.serve")
+
+
+class QueueFullError(RuntimeError):
+    """More requests in flight than the server admits; answered with 429."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The model is still loading or failed to load; answered with 503."""
+
+
+@dataclass
+class EngineFailure:
+    """Put on a request's queue when the engine itself broke under it."""
+
+    message: str
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, build_engine: Callable[[], Any], metrics: ServerMetrics, max_in_flight: int,
+                 node_state: NodeState | None = None) -> None:
+        self._build_engine = build_engine
+        self.metrics = metrics
+        self.max_in_flight = max_in_flight
+        self.node_state = node_state or NodeState(rank=0, nnodes=1)
+        self.engine: Any = None
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams and _accepting
+        self._accepting = True
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mtp-engine", daemon=True)
+        self._in_engine: set[str] = set()  # engine-thread only: ids the engine holds
+        self.load_error: str | None = None
+        self.on_load_failure: Callable[[], None] | None = None
+
+    # ---- called from the event loop --------------------------------------------
+
+    def start(self) -> None:
+        self.node_state.loading()
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.node_state.state == READY
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
+        if not self.ready:
+            raise EngineNotReadyError(f"the model is not ready (state {self.node_state.state})")
+        outputs: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if not self._accepting:
+                raise EngineNotReadyError("the server is shutting down")
+            if len(self._streams) >= self.max_in_flight:
+                raise QueueFullError(f"{len(self._streams)} requests in flight, the limit is {self.max_in_flight}; "
+                                     "retry later")
+            self._streams[request_id] = _Stream(asyncio.get_running_loop(), outputs)
+        self._commands.put(("add", request_id, prompt_ids, params))
+        self._wake.set()
+        return outputs
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            known = self._streams.pop(request_id, None) is not None
+        if known:
+            self._commands.put(("abort", request_id))
+            self._wake.set()
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ---- the engine thread -------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._build_engine()
+        except BaseException as exc:  # noqa: BLE001 - report any load failure, then exit the process
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("loading the model failed: %s\n%s", self.load_error, traceback.format_exc())
+            self.node_state.set(FAILED, self.load_error)
+            if self.on_load_failure:
+                self.on_load_failure()
+            return
+        self._publish_state()
+        self.node_state.ready()
+        log.info("model loaded; serving")
+        while not self._stop.is_set():
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._publish_state()
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                log.error("engine step failed\n%s", traceback.format_exc())
+                continue
+            for out in outputs:
+                self._deliver(out)
+            self._publish_state()
+        self._abort_everything()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt_ids, params = command
+                with self._lock:
+                    wanted = request_id in self._streams  # aborted before it reached the engine?
+                if wanted:
+                    try:
+                        self.engine.add_request(request_id, prompt_ids, params)
+                        self._in_engine.add(request_id)
+                    except Exception as exc:  # noqa: BLE001 - answer the request, keep serving
+                        self._finish_with_failure(request_id, f"{type(exc).__name__}: {exc}")
+            elif command[1] in self._in_engine:
+                self._in_engine.discard(command[1])
+                self.engine.abort_request(command[1])
+                self.metrics.forget(command[1])
+
+    def _deliver(self, out) -> None:
+        self.metrics.observe_output(out)
+        if out.finished:
+            self._in_engine.discard(out.request_id)
+        with self._lock:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+
+    def _finish_with_failure(self, request_id: str, message: str) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineFailure(message))
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._finish_with_failure(request_id, message)
+        self._abort_everything()
+
+    def _abort_everything(self) -> None:
+        for request_id in list(self._in_engine):
+            self._in_engine.discard(request_id)
+            self.engine.abort_request(request_id)
+            self.metrics.forget(request_id)
+
+    def _publish_state(self) -> None:
+        stats = self.engine.stats()
+        self.metrics.set_engine_state(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+        self.last_stats = stats

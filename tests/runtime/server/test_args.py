@@ -1,0 +1,117 @@
+"""`mtp serve` flags: both syntaxes, booleans, and start-time rejections naming the flag."""
+
+import argparse
+import json
+
+import pytest
+
+from mtp_runtime.server.args import API_KEY_ENV, ServeArgsError, add_serve_arguments, validate_serve_args
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "main").mkdir()
+    (tmp_path / "main" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3_mtp"}))
+    return tmp_path
+
+
+def parse(argv, env=None, hostname="box"):
+    parser = argparse.ArgumentParser(prog="mtp serve")
+    add_serve_arguments(parser)
+    return validate_serve_args(parser.parse_args(argv), env=env or {}, hostname=hostname)
+
+
+def reject(argv, flag, env=None, hostname="box"):
+    with pytest.raises(ServeArgsError) as info:
+        parse(argv, env, hostname)
+    assert str(info.value).startswith(flag), str(info.value)
+    return str(info.value)
+
+
+def test_equals_and_space_forms_agree(model_dir):
+    m, d = str(model_dir / "main"), str(model_dir / "draft")
+    a = parse([f"--model={m}", f"--draft_model={d}", "--num_speculative_tokens=2", "--port=9001",
+               "--enable_prefix_cache=true", "--enable_chunked_prefill=false", "--block_size=32"])
+    b = parse(["--model", m, "--draft_model", d, "--num_speculative_tokens", "2", "--port", "9001",
+               "--enable_prefix_cache", "true", "--enable_chunked_prefill", "false", "--block_size", "32"])
+    assert a == b
+    assert a.num_speculative_tokens == 2 and a.port == 9001 and a.block_size == 32
+    assert a.enable_prefix_cache is True and a.enable_chunked_prefill is False
+    assert a.served_model_name == "main" and a.devices == ["cpu"] and a.node_rank == 0
+
+
+def test_defaults_and_draft_implies_one_token(model_dir):
+    m, d = str(model_dir / "main"), str(model_dir / "draft")
+    assert parse(["--model", m]).num_speculative_tokens == 0
+    assert parse(["--model", m, "--draft_model", d]).num_speculative_tokens == 1
+    assert parse(["--model", m, "--enable_prefix_cache"]).enable_prefix_cache is True
+
+
+def test_api_key_from_flag_or_env(model_dir):
+    m = str(model_dir / "main")
+    assert parse(["--model", m]).api_key is None
+    assert parse(["--model", m], env={API_KEY_ENV: "k1"}).api_key == "k1"
+    assert parse(["--model", m, "--api_key", "k2"], env={API_KEY_ENV: "k1"}).api_key == "k2"
+
+
+@pytest.mark.parametrize("argv", [["--bogus", "1"], ["--draft", "x"], ["--enable_prefix_cache=maybe"],
+                                  ["--port", "eighty"], ["--dtype", "int3"]])
+def test_argparse_rejects_unknown_and_malformed(model_dir, argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse(["--model", str(model_dir / "main"), *argv])
+    assert info.value.code == 2
+    flag = argv[0].split("=")[0]
+    assert flag in capsys.readouterr().err
+
+
+def test_out_of_range_and_unsupported_values_name_the_flag(model_dir):
+    m, d = str(model_dir / "main"), str(model_dir / "draft")
+    reject(["--model", str(model_dir)], "--model")
+    reject(["--model", m, "--draft_model", str(model_dir)], "--draft_model")
+    reject(["--model", m, "--num_speculative_tokens", "1"], "--num_speculative_tokens")
+    reject(["--model", m, "--draft_model", d, "--num_speculative_tokens", "-1"], "--num_speculative_tokens")
+    reject(["--model", m, "--port", "70000"], "--port")
+    reject(["--model", m, "--max_memory_utilization", "0"], "--max_memory_utilization")
+    reject(["--model", m, "--max_memory_utilization", "1.5"], "--max_memory_utilization")
+    reject(["--model", m, "--block_size", "0"], "--block_size")
+    reject(["--model", m, "--max_seqs_per_batch", "0"], "--max_seqs_per_batch")
+    reject(["--model", m, "--max_tokens_per_batch", "0"], "--max_tokens_per_batch")
+    reject(["--model", m, "--devices", "gpu0"], "--devices")
+    reject(["--model", m, "--devices", "cpu,cuda:0"], "--devices")
+    reject(["--model", m, "--draft_devices", "cuda:1"], "--draft_devices")
+    reject(["--model", m, "--devices", "cuda:0"], "--devices")  # no CUDA device here
+    reject(["--model", m, "--ep_size", "4"], "--ep_size")
+    assert "not supported" in reject(["--model", m, "--dp_size", "2"], "--dp_size")
+    reject(["--model", m, "--api_key", " "], "--api_key")
+
+
+def test_npu_device_says_torch_npu_is_missing(model_dir):
+    pytest.importorskip("torch")
+    try:
+        import torch_npu  # noqa: F401
+        pytest.skip("torch_npu is installed here")
+    except ImportError:
+        pass
+    message = reject(["--model", str(model_dir / "main"), "--devices", "npu:0"], "--devices")
+    assert "torch_npu" in message
+
+
+def test_multi_node_flags_are_validated_then_rejected_as_not_yet_supported(model_dir):
+    m = str(model_dir / "main")
+    reject(["--model", m, "--nnodes", "2"], "--master_node_addr")
+    reject(["--model", m, "--nnodes", "2", "--master_node_addr", "nohost"], "--master_node_addr")
+    reject(["--model", m, "--nnodes", "2", "--node_rank", "2", "--master_node_addr", "h:1"], "--node_rank")
+    reject(["--model", m, "--node_rank", "x"], "--node_rank")
+    message = reject(["--model", m, "--nnodes", "2", "--node_rank", "auto", "--master_node_addr", "h-0.h:29500"],
+                     "--nnodes", hostname="mtp-ds-1")
+    assert "not supported" in message
+    reject(["--model", m, "--nnodes", "0"], "--nnodes")
+
+
+def test_node_rank_auto_single_node(model_dir):
+    m = str(model_dir / "main")
+    assert parse(["--model", m, "--node_rank", "auto"], env={"MTP_POD_INDEX": "0"}).node_rank == 0
+    assert parse(["--model", m, "--node_rank", "auto"], hostname="mtp-ds-0.mtp-ds").node_rank == 0
+    reject(["--model", m, "--node_rank", "auto"], "--node_rank", hostname="nohyphen")
