@@ -6,12 +6,16 @@ MODE rendezvous: join the group, all_reduce(rank + 1), print the sum, exit 0.
 MODE lockstep:   join, start the heartbeat, then all_reduce forever (a stand-in
                  for lockstep forwards); rank 0's failure hook prints a line.
 MODE shutdown:   join, start the heartbeat; rank 0 announces a clean shutdown.
+MODE plans:      rank 0 broadcasts 20 random step plans and a STOP; every rank
+                 prints a digest of each plan it holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
+import random
 import sys
 import time
 
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from mtp_runtime.multinode.liveness import Heartbeat
 from mtp_runtime.multinode.node_state import NodeState
 from mtp_runtime.multinode.rendezvous import RendezvousConfig, mark_group_ready, rendezvous
+from mtp_runtime.multinode.step_plan import STOP, StepPlan, broadcast_plan
 
 # Name the master goes by in these tests; it only "resolves" through the
 # injected resolver below, never through real DNS.
@@ -42,7 +47,7 @@ def delayed_resolver(delay_s: float):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["rendezvous", "lockstep", "shutdown"])
+    parser.add_argument("mode", choices=["rendezvous", "lockstep", "shutdown", "plans"])
     parser.add_argument("rank", type=int)
     parser.add_argument("nnodes", type=int)
     parser.add_argument("port", type=int)
@@ -69,6 +74,9 @@ def main() -> int:
         dist.destroy_process_group()
         return 0
 
+    if args.mode == "plans":
+        return run_plans(group.rank)
+
     heartbeat = Heartbeat(group.store, group.rank, group.world_size, timeout_s=args.timeout, state=state)
     if group.rank == 0:
         heartbeat.add_failure_hook(lambda reason: print(f"HOOK failing in-flight requests: {reason}", flush=True))
@@ -89,6 +97,18 @@ def main() -> int:
             heartbeat.on_collective_error(exc)
         time.sleep(0.05)
 
+
+def run_plans(rank: int, count: int = 20) -> int:
+    from test_step_plan import random_plan  # this folder is sys.path[0] for the script
+
+    rng = random.Random(7)
+    for i in range(count + 1):
+        plan = None
+        if rank == 0:
+            plan = random_plan(rng, target=rng.randint(0, 1)) if i < count else StepPlan(kind=STOP)
+        plan = broadcast_plan(plan)
+        print(f"PLAN {hashlib.sha256(plan.encode().numpy().tobytes()).hexdigest()[:16]}", flush=True)
+    return 0 if plan.kind == STOP else 1
 
 if __name__ == "__main__":
     sys.exit(main())
