@@ -1,0 +1,1 @@
+"""Model building blocks, one concept a file (linear, embedding, norm, rotary, attention, moe)."""

@@ -1,0 +1,98 @@
+"""Linear layers that know their tensor-parallel shard.
+
+Every weight carries a `weight_loader(param, full_tensor)` that receives the
+whole checkpoint tensor and copies in only this rank's slice, so sharding is
+decided once, where weights are loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_runtime.distributed import ParallelState, get_parallel_state
+
+
+def check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"tensor {name}: checkpoint shape {tuple(loaded.shape)} does not match the model's "
+                         f"{tuple(param.shape)} (is config.json from the same checkpoint?)")
+
+
+def load_full(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+    check_shape(param, loaded, name)
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelState | None):
+        super().__init__()
+        self.parallel = parallel or get_parallel_state()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.bias_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        load_full(param, loaded, name)
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        load_full(param, loaded, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight (small projections such as q_a_proj)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: ParallelState | None = None):
+        super().__init__(in_features, out_features, bias, parallel)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across tp ranks; each rank returns its slice."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: ParallelState | None = None):
+        parallel = parallel or get_parallel_state()
+        self.full_out = out_features
+        _, local = parallel.shard(out_features, "ColumnParallelLinear output features")
+        super().__init__(in_features, local, bias, parallel)
+
+    def _slice(self, loaded: torch.Tensor, name: str) -> torch.Tensor:
+        if loaded.shape[0] != self.full_out:
+            raise ValueError(f"tensor {name}: checkpoint has {loaded.shape[0]} output rows, the model expects "
+                             f"{self.full_out}")
+        start, size = self.parallel.shard(self.full_out, name)
+        return loaded.narrow(0, start, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        load_full(param, self._slice(loaded, name), name)
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        load_full(param, self._slice(loaded, name), name)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across tp ranks; partial products are summed (all-reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: ParallelState | None = None):
+        parallel = parallel or get_parallel_state()
+        self.full_in = in_features
+        _, local = parallel.shard(in_features, "RowParallelLinear input features")
+        super().__init__(local, out_features, bias, parallel)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        if loaded.dim() != 2 or loaded.shape[1] != self.full_in:
+            raise ValueError(f"tensor {name}: checkpoint shape {tuple(loaded.shape)}, the model expects "
+                             f"{self.out_features} x {self.full_in}")
+        start, size = self.parallel.shard(self.full_in, name)
+        load_full(param, loaded.narrow(1, start, size), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.parallel.all_reduce(F.linear(x, self.weight))
+        # The bias is added once, after the sum, not on every rank's partial.
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,136 @@
+"""Dense SwiGLU MLP and the DeepSeek-style MoE block (sigmoid, grouped top-k, shared experts).
+
+Experts are stacked into two tensors so each one is a single matmul pair;
+with expert parallelism a rank holds only experts `parallel.local_experts(E)`
+and the partial outputs are summed across ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_runtime.config import ModelConfig
+from mtp_runtime.distributed import ParallelState, get_parallel_state
+from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, load_full
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelState | None = None):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel=parallel)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel=parallel)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel=parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """Picks num_experts_per_tok experts per token. Kept in float32, as the published models run it."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        num_experts = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size, dtype=torch.float32))
+        # Selection bias learned outside the gradient (aux-loss-free balancing); not trained here.
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, k] float32, expert ids [N, k])."""
+        cfg = self.config
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        # Keep the topk_group groups whose two best experts score highest, then top-k inside them.
+        grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        group_ids = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+        group_keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+        expert_keep = group_keep.unsqueeze(-1).expand_as(grouped).reshape(-1, cfg.n_routed_experts)
+        choice = choice.masked_fill(~expert_keep, float("-inf"))
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """w13 [E_local, 2*I, H] (gate rows then up rows), w2 [E_local, H, I]."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None):
+        super().__init__()
+        self.parallel = parallel or get_parallel_state()
+        self.num_experts = config.n_routed_experts
+        self.local = self.parallel.local_experts(self.num_experts)
+        inter = config.moe_intermediate_size
+        self.full_inter = inter
+        # Without expert parallelism the experts' intermediate dim is split across tp ranks instead.
+        self.inter_start, self.inter = (0, inter) if self.parallel.ep_size > 1 else \
+            self.parallel.shard(inter, "moe_intermediate_size")
+        hidden = config.hidden_size
+        self.w13 = nn.Parameter(torch.empty(len(self.local), 2 * self.inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(len(self.local), hidden, self.inter))
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
+    def is_local(self, expert_id: int) -> bool:
+        return expert_id in self.local
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "",
+                      expert_id: int = 0, shard: str = "gate") -> None:
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"tensor {name}: expert {expert_id} does not exist (n_routed_experts "
+                             f"{self.num_experts})")
+        if not self.is_local(expert_id):
+            return  # another expert-parallel rank owns it
+        local = expert_id - self.local.start
+        if shard == "down":
+            if tuple(loaded.shape) != (param.shape[1], self.full_inter):
+                raise ValueError(f"tensor {name}: checkpoint shape {tuple(loaded.shape)}, the model expects "
+                                 f"({param.shape[1]}, {self.full_inter})")
+            load_full(param.data[local], loaded.narrow(1, self.inter_start, self.inter), name)
+            return
+        if loaded.dim() != 2 or loaded.shape[0] != self.full_inter:
+            raise ValueError(f"tensor {name}: checkpoint shape {tuple(loaded.shape)}, the model expects "
+                             f"({self.full_inter}, {param.shape[2]})")
+        rows = slice(0, self.inter) if shard == "gate" else slice(self.inter, 2 * self.inter)
+        load_full(param.data[local, rows], loaded.narrow(0, self.inter_start, self.inter), name)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights/ids [N, k] -> weighted sum of this rank's experts [N, H]."""
+        out = torch.zeros_like(x)
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
+        for local, expert_id in enumerate(self.local):
+            if counts[expert_id] == 0:
+                continue
+            token_idx, slot = torch.where(ids == expert_id)
+            h = x[token_idx]
+            gate, up = F.linear(h, self.w13[local]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[local])
+            out.index_add_(0, token_idx, y * weights[token_idx, slot, None].to(y.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None):
+        super().__init__()
+        self.parallel = parallel or get_parallel_state()
+        self.gate = TopkRouter(config)
+        self.experts = RoutedExperts(config, parallel)
+        self.shared_experts = (
+            DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, parallel)
+            if config.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(flat)
+        out = self.parallel.all_reduce(self.experts(flat, weights, ids))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(shape)

@@ -1,0 +1,94 @@
+"""What the architectures share: the pre-norm decoder layer and the causal LM around it.
+
+Two forwards use the same modules: `forward` (flattened tokens of many
+sequences with paged caches, the runtime interface) and `forward_batched`
+(a [B, S] batch from position 0 with no cache, for training).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mtp_runtime.config import ModelConfig
+from mtp_runtime.distributed import ParallelState
+from mtp_runtime.layers.attention import AttentionMetadata
+from mtp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from mtp_runtime.layers.moe import MoE, DenseMLP
+from mtp_runtime.layers.norm import RMSNorm
+from mtp_runtime.layers.rotary_embedding import RotaryEmbedding
+
+AttentionFactory = Callable[[ModelConfig, ParallelState | None], nn.Module]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, make_attention: AttentionFactory,
+                 parallel: ParallelState | None = None, moe: bool | None = None):
+        super().__init__()
+        moe = config.is_moe_layer(layer_idx) if moe is None else moe
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = make_attention(config, parallel)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = (MoE(config, parallel) if moe
+                    else DenseMLP(config.hidden_size, config.intermediate_size, parallel))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.forward_batched(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TransformerBody(nn.Module):
+    """`model.*` of the checkpoint: embed_tokens, layers, norm."""
+
+    def __init__(self, config: ModelConfig, make_attention: AttentionFactory, parallel: ParallelState | None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, make_attention, parallel) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Main model: ids -> final-normed hidden states; `compute_logits` applies lm_head."""
+
+    make_attention: AttentionFactory  # set by each architecture
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None):
+        super().__init__()
+        self.config = config
+        self.model = TransformerBody(config, type(self).make_attention, parallel)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
+
+    def kv_cache_spec(self) -> list[dict[str, tuple[int, ...]]]:
+        return [layer.self_attn.kv_cache_spec() for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids/positions [T] -> final-normed hidden [T, H]."""
+        if len(caches) != len(self.model.layers):
+            raise ValueError(f"got caches for {len(caches)} layers, the model has {len(self.model.layers)}")
+        cos, sin = self.rotary(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, caches):
+            x = layer(x, cos, sin, cache, meta)
+        return self.model.norm(x)
+
+    def forward_batched(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] from position 0 -> final-normed hidden [B, S, H] (training)."""
+        cos, sin = self.rotary(torch.arange(input_ids.shape[1], device=input_ids.device))
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer.forward_batched(x, cos, sin)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,69 @@
+"""GLM-4.5 / 4.5-Air: grouped-query attention with partial rotary, optional qk-norm and q/k/v bias,
+dense-then-MoE layers with shared experts and sigmoid routing (the MoE block is DeepSeek's)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_runtime.config import ModelConfig
+from mtp_runtime.distributed import ParallelState, get_parallel_state
+from mtp_runtime.layers.attention import AttentionMetadata, attend, causal_mask, gather_cache, write_cache
+from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mtp_runtime.layers.norm import RMSNorm
+from mtp_runtime.layers.rotary_embedding import apply_rope_halves
+from mtp_runtime.models.decoder import CausalLM
+
+
+class GQAttention(nn.Module):
+    """Cache per token: "k" and "v", each [kv_heads, head_dim] (this rank's heads)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None):
+        super().__init__()
+        parallel = parallel or get_parallel_state()
+        d, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        _, self.num_heads = parallel.shard(heads, "num_attention_heads")
+        _, self.num_kv_heads = parallel.shard(kv_heads, "num_key_value_heads")
+        self.head_dim, self.scale = d, config.softmax_scale
+        bias = config.attention_bias
+        self.q_proj = ColumnParallelLinear(config.hidden_size, heads * d, bias=bias, parallel=parallel)
+        self.k_proj = ColumnParallelLinear(config.hidden_size, kv_heads * d, bias=bias, parallel=parallel)
+        self.v_proj = ColumnParallelLinear(config.hidden_size, kv_heads * d, bias=bias, parallel=parallel)
+        self.o_proj = RowParallelLinear(heads * d, config.hidden_size, parallel=parallel)
+        self.use_qk_norm = config.use_qk_norm
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def kv_cache_spec(self) -> dict[str, tuple[int, ...]]:
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self._project(x, cos, sin)
+        write_cache(cache["k"], k, meta.slot_mapping)
+        write_cache(cache["v"], v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        for rows, positions, slots in meta.sequences():
+            keys, values = gather_cache(cache["k"], slots), gather_cache(cache["v"], slots)
+            out[rows] = attend(q[rows], keys, values, causal_mask(positions, keys.shape[0]), self.scale)
+        return self.o_proj(out.flatten(-2))
+
+    def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._project(x, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=self.scale, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+class Glm4MoeForCausalLM(CausalLM):
+    make_attention = GQAttention

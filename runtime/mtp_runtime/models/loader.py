@@ -1,0 +1,210 @@
+"""Load main models and MTP drafts from a Hugging Face checkpoint directory.
+
+One table per architecture maps checkpoint names to module parameters; names
+the table does not rewrite map to the parameter of the same name. FP8 weights
+are dequantised with their block scales as they are read. Every checkpoint
+tensor must land in a parameter and every parameter must be filled, or the
+load fails naming the tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtp_runtime.checkpoint.fp8 import dequantize_fp8_blocks
+from mtp_runtime.checkpoint.index import CheckpointIndex
+from mtp_runtime.checkpoint.naming import SCALE_SUFFIX, layer_index
+from mtp_runtime.config import ModelConfig
+from mtp_runtime.distributed import ParallelState
+from mtp_runtime.models.decoder import CausalLM
+from mtp_runtime.models.mtp import MtpDraft
+from mtp_runtime.models.registry import build_draft, build_model
+
+
+class LoadError(ValueError):
+    """A checkpoint does not fit the model built from its config.json."""
+
+
+# Parameters the published models keep in float32 whatever the working dtype.
+FLOAT32_PARAMS = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
+
+Rule = tuple[re.Pattern, str, Any]  # (checkpoint name pattern, module name template, loader kwargs)
+
+_EXPERT_RULES: list[Rule] = [
+    (re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.gate_proj\.weight$"), r"\1.mlp.experts.w13", "gate"),
+    (re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.up_proj\.weight$"), r"\1.mlp.experts.w13", "up"),
+    (re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.down_proj\.weight$"), r"\1.mlp.experts.w2", "down"),
+]
+# The three architectures share the Hugging Face layout; V3.2's indexer and
+# GLM's q/k/v tensors keep their names, so only the stacked experts are rewritten.
+NAME_MAPS: dict[str, list[Rule]] = {
+    "deepseek_v3": _EXPERT_RULES,
+    "deepseek_v32": _EXPERT_RULES,
+    "glm4_moe": _EXPERT_RULES,
+}
+# Parts of an MTP layer that belong to the draft module itself rather than to its decoder layer.
+_DRAFT_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+
+
+def map_name(arch: str, name: str) -> tuple[str, dict[str, Any]]:
+    for pattern, template, shard in NAME_MAPS[arch]:
+        m = pattern.match(name)
+        if m:
+            return m.expand(template), {"expert_id": int(m.group(2)), "shard": shard}
+    return name, {}
+
+
+def _read(index: CheckpointIndex, name: str) -> torch.Tensor:
+    tensor = index.read(name)
+    if tensor.dtype == torch.float8_e4m3fn:
+        scale = name[: -len(".weight")] + SCALE_SUFFIX
+        if scale not in index:
+            raise LoadError(f"{index.model_dir}: FP8 tensor {name} has no {scale} (block scales) in the checkpoint")
+        return dequantize_fp8_blocks(tensor, index.read(scale).float(), torch.float32, name)
+    return tensor.float()
+
+
+def _load_tensors(module: nn.Module, index: CheckpointIndex, arch: str, names: dict[str, str]) -> set[tuple]:
+    """names: checkpoint name -> module-relative name. Returns the (param, expert, shard) keys filled."""
+    params = dict(module.named_parameters())
+    filled: set[tuple] = set()
+    with torch.no_grad():
+        for ckpt_name, rel_name in names.items():
+            param_name, kwargs = map_name(arch, rel_name)
+            param = params.get(param_name)
+            if param is None:
+                raise LoadError(f"{index.model_dir}: unexpected tensor {ckpt_name} (no {param_name} in the "
+                                f"{type(module).__name__} built from config.json)")
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if loader is None:
+                    _copy_whole(param, _read(index, ckpt_name), ckpt_name)
+                else:
+                    loader(param, _read(index, ckpt_name), ckpt_name, **kwargs)
+            except ValueError as exc:
+                raise LoadError(f"{index.model_dir}: {exc}") from None
+            filled.add((param_name, kwargs.get("expert_id"), kwargs.get("shard")))
+    return filled
+
+
+def _copy_whole(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"tensor {name}: checkpoint shape {tuple(loaded.shape)} does not match the model's "
+                         f"{tuple(param.shape)}")
+    param.copy_(loaded)
+
+
+def _missing(module: nn.Module, filled: set[tuple], skip: tuple[str, ...] = ()) -> list[str]:
+    missing = []
+    for param_name, param in module.named_parameters():
+        if param_name.startswith(skip):
+            continue
+        if param_name.endswith((".experts.w13", ".experts.w2")):
+            experts = module.get_submodule(param_name.rsplit(".", 1)[0])
+            shards = ("gate", "up") if param_name.endswith("w13") else ("down",)
+            for e in experts.local:
+                for shard in shards:
+                    if (param_name, e, shard) not in filled:
+                        kind = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}[shard]
+                        missing.append(param_name.replace("experts.w13", f"experts.{e}.{kind}.weight")
+                                       .replace("experts.w2", f"experts.{e}.{kind}.weight"))
+        elif (param_name, None, None) not in filled:
+            missing.append(param_name)
+    return missing
+
+
+def to_working_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    for name, param in module.named_parameters():
+        if not name.endswith(FLOAT32_PARAMS):
+            param.data = param.data.to(dtype)
+    return module
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    except KeyError:
+        raise LoadError(f"dtype {dtype!r} is not supported: use float32 or bfloat16") from None
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+               parallel: ParallelState | None = None) -> CausalLM:
+    """The main model of a checkpoint (MTP layers, if present, are left for load_draft)."""
+    index = CheckpointIndex(model_dir)
+    config = ModelConfig.from_dict(index.config, source=str(Path(model_dir) / "config.json"))
+    if config.is_mtp:
+        raise LoadError(f"{model_dir}: model_type {config.model_type} is a draft module; load it with "
+                        f"--draft_model, and give --model the main checkpoint")
+    model = build_model(config, parallel)
+    names = {n: n for n in index.names() if not n.endswith(SCALE_SUFFIX)
+             and not (layer_index(n) is not None and layer_index(n) >= config.num_hidden_layers)}
+    filled = _load_tensors(model, index, config.arch, names)
+    if config.tie_word_embeddings and ("lm_head.weight", None, None) not in filled:
+        model.lm_head.weight.data.copy_(model.model.embed_tokens.weight.data)
+        filled.add(("lm_head.weight", None, None))
+    _raise_missing(index, _missing(model, filled))
+    return to_working_dtype(model, _dtype(dtype)).to(device).eval()
+
+
+def load_draft(model_dir: str | Path, main: CausalLM | None = None, dtype: torch.dtype | str = torch.float32,
+               device: str = "cpu", parallel: ParallelState | None = None) -> MtpDraft:
+    """The MTP module from an exported draft directory (model_type *_mtp) or from the main checkpoint
+    (its first MTP layer, model.layers.{num_hidden_layers}). Missing shared_head.head / embed_tokens
+    fall back to `main`'s lm_head / embedding."""
+    index = CheckpointIndex(model_dir)
+    config = ModelConfig.from_dict(index.config, source=str(Path(model_dir) / "config.json"))
+    names = _draft_names(index, config)
+    if not names:
+        raise LoadError(f"{model_dir}: no MTP layer found (expected model.layers.{config.num_hidden_layers}.* "
+                        f"in a main checkpoint with num_nextn_predict_layers >= 1, or an `mtp export` directory)")
+    moe = any(".mlp.experts." in rel for rel in names.values())
+    draft = build_draft(config, parallel, moe)
+    filled = _load_tensors(draft, index, config.arch, names)
+    skip = []
+    for part, attach, source in (("shared_head.head.", draft.use_main_head, "lm_head"),
+                                 ("embed_tokens.", draft.use_main_embedding, "model.embed_tokens")):
+        if any(rel.startswith(part) for rel in names.values()):
+            continue
+        if main is None:
+            raise LoadError(f"{model_dir}: the MTP layer has no {part}weight; load the main model first so "
+                            f"its {source} can be shared")
+        skip.append(part)
+    _raise_missing(index, _missing(draft, filled, tuple(skip)))
+    draft = to_working_dtype(draft, _dtype(dtype)).to(device).eval()
+    if "shared_head.head." in skip:
+        draft.use_main_head(main.lm_head)
+    if "embed_tokens." in skip:
+        draft.use_main_embedding(main.model.embed_tokens)
+    return draft
+
+
+def _draft_names(index: CheckpointIndex, config: ModelConfig) -> dict[str, str]:
+    """checkpoint name -> MtpDraft parameter name, for the first MTP layer only."""
+    prefix = "model.layers.0." if config.is_mtp else f"model.layers.{config.mtp_layer_index}."
+    names = {}
+    for name in index.names():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        if name.startswith(prefix):
+            rel = name[len(prefix):]
+        elif config.is_mtp and name.startswith("model.") and name[len("model."):].startswith(_DRAFT_OWN):
+            rel = name[len("model."):]  # exported drafts keep these at the top level
+        elif config.is_mtp:
+            raise LoadError(f"{index.model_dir}: unexpected tensor {name} in a draft directory")
+        else:
+            continue  # main-model tensors (and further MTP layers) are not the draft's
+        names[name] = rel if rel.startswith(_DRAFT_OWN) else "layer." + rel
+    return names
+
+
+def _raise_missing(index: CheckpointIndex, missing: list[str]) -> None:
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        raise LoadError(f"{index.model_dir}: checkpoint lacks tensor(s) the model needs: {shown}")

@@ -1,0 +1,110 @@
+"""Multi-head latent attention (DeepSeek-V3/R1/V3.2).
+
+The cache holds, per token, the normed KV latent and the rotated shared rope
+key: kv_lora_rank + qk_rope_head_dim values ("latent"). Decoding attends to the
+latent directly: kv_b_proj's key half is folded into the query and its value
+half applied after attention, so K/V are never expanded per head. Training
+(the batched path) expands them instead, where a fused SDPA is cheaper.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_runtime.config import ModelConfig
+from mtp_runtime.distributed import ParallelState, get_parallel_state
+from mtp_runtime.layers.attention import AttentionMetadata, attend, causal_mask, gather_cache, write_cache
+from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from mtp_runtime.layers.norm import RMSNorm
+from mtp_runtime.layers.rotary_embedding import apply_rope_halves, apply_rope_interleaved
+from mtp_runtime.models.sparse_indexer import SparseIndexer
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None):
+        super().__init__()
+        parallel = parallel or get_parallel_state()
+        self.config = config
+        _, self.num_heads = parallel.shard(config.num_attention_heads, "num_attention_heads")
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_rank = config.kv_lora_rank
+        self.scale = config.softmax_scale
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        if config.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * config.qk_head_dim, parallel=parallel)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank, bias=config.attention_bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * config.qk_head_dim, parallel=parallel)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_rank + self.rope, bias=config.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, config.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_rank, heads * (self.nope + self.v_dim), parallel=parallel)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=config.attention_bias, parallel=parallel)
+        self.indexer = SparseIndexer(config) if config.arch == "deepseek_v32" else None
+        self.rotate = apply_rope_interleaved if config.rope_interleave else apply_rope_halves
+
+    def kv_cache_spec(self) -> dict[str, tuple[int, ...]]:
+        spec = {"latent": (self.kv_rank + self.rope,)}
+        if self.indexer is not None:
+            spec["index_k"] = (self.indexer.head_dim,)
+        return spec
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [..., H] -> q_nope [..., h, nope], q_rot [..., h, rope], latent [..., r + rope], q latent."""
+        if self.config.q_lora_rank is None:
+            q_latent, q = None, self.q_proj(x)
+        else:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        q_nope, q_rot = q.unflatten(-1, (self.num_heads, -1)).split([self.nope, self.rope], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        c, k_rot = kv.split([self.kv_rank, self.rope], dim=-1)
+        k_rot = self.rotate(k_rot.unsqueeze(-2), cos, sin).squeeze(-2)
+        latent = torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1)
+        return q_nope, self.rotate(q_rot, cos, sin), latent, q_latent
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj as per-head key [h, nope, r] and value [h, v, r] up-projections."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, H] (flattened batch) -> [T, H]; writes this step's latents into the paged cache."""
+        q_nope, q_rot, latent, q_latent = self._project(x, cos, sin)
+        write_cache(cache["latent"], latent, meta.slot_mapping)
+        if self.indexer is not None:
+            iq, ik, iw = self.indexer.queries_and_keys(x, q_latent, cos, sin)
+            write_cache(cache["index_k"], ik, meta.slot_mapping)
+        w_uk, w_uv = self._kv_b()
+        # Fold the key up-projection into the query: q . (W_uk c) = (W_uk^T q) . c
+        q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot], dim=-1)  # [T, h, r + rope]
+        out = x.new_empty(x.shape[0], self.num_heads, self.kv_rank)
+        for rows, positions, slots in meta.sequences():
+            keys = gather_cache(cache["latent"], slots).unsqueeze(1)  # [L, 1, r + rope]
+            allowed = causal_mask(positions, keys.shape[0])
+            if self.indexer is not None:
+                allowed = self.indexer.select(iq[rows], gather_cache(cache["index_k"], slots), iw[rows], allowed)
+            out[rows] = attend(q[rows], keys, keys[..., : self.kv_rank], allowed, self.scale)
+        out = torch.einsum("thr,hvr->thv", out, w_uv)  # value up-projection, [T, h, v]
+        return self.o_proj(out.flatten(-2))
+
+    def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training path: x [B, S, H] at positions 0..S-1, no cache -> [B, S, H]."""
+        q_nope, q_rot, latent, q_latent = self._project(x, cos, sin)
+        c, k_rot = latent.split([self.kv_rank, self.rope], dim=-1)
+        k_nope, v = self.kv_b_proj(c).unflatten(-1, (self.num_heads, -1)).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        mask = None
+        seq_len = x.shape[1]
+        if self.indexer is not None and seq_len > self.indexer.topk:
+            with torch.no_grad():
+                iq, ik, iw = self.indexer.queries_and_keys(x, q_latent, cos, sin)
+                causal = causal_mask(torch.arange(seq_len, device=x.device), seq_len).expand(x.shape[0], -1, -1)
+                mask = self.indexer.select(iq, ik, iw, causal).unsqueeze(1)  # [B, 1, S, S]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
