@@ -20,6 +20,8 @@ from typing import Sequence
 BUILTIN_COMMANDS: dict[str, str] = {
     "make-tiny": "mtp_runtime.commands.make_tiny",
     "export": "mtp_runtime.commands.export",
+    "serve": "mtp_runtime.commands.serve",
+    "bench": "mtp_runtime.commands.bench",
 }
 
 ENTRY_POINT_GROUP = "mtp.commands"

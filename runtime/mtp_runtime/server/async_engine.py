@@ -59,6 +59,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mtp-engine", daemon=True)
+        self.last_stats: Any = None
         self._in_engine: set[str] = set()  # engine-thread only: ids the engine holds
         self.load_error: str | None = None
         self.on_load_failure: Callable[[], None] | None = None
@@ -76,6 +77,16 @@ class AsyncEngine:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._streams)
+
+    def health_stats(self) -> dict:
+        """Engine figures for /health: load, and free KV blocks (tests check nothing leaks)."""
+        stats = self.last_stats
+        body = {"requests_in_flight": self.in_flight()}
+        if stats is not None:
+            body.update(requests_running=stats.num_running, requests_waiting=stats.num_waiting,
+                        kv_cache_usage=stats.kv_cache_usage, free_blocks=stats.num_free_blocks,
+                        total_blocks=stats.num_blocks)
+        return body
 
     def add_request(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
         if not self.ready:

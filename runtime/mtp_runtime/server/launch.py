@@ -1,0 +1,126 @@
+"""Wire ServeArgs into a running server: tokenizer, engine thread, app, uvicorn.
+
+uvicorn starts listening before the model is loaded, so /health answers 503
+"loading" during a long load (Kubernetes probes see progress, not a refused
+connection). On SIGTERM: /health turns 503 "draining", new requests get 503,
+in-flight ones get --shutdown_timeout seconds, then are cancelled (which
+aborts them in the engine), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import uvicorn
+
+from .app import create_app
+from .args import ServeArgs
+from .async_engine import AsyncEngine
+from .chat_template import ChatTemplateError, load_chat_template
+from .metrics import ServerMetrics
+from .request_builder import RequestBuilder
+
+log = logging.getLogger("mtp.serve")
+
+EXIT_LOAD_FAILED = 3
+
+
+class ServerSetupError(RuntimeError):
+    """A model-directory problem found before serving; the message names the file."""
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ServerSetupError(f"{path}: {exc}") from None
+
+
+def build_request_builder(args: ServeArgs) -> RequestBuilder:
+    from tokenizers import Tokenizer
+
+    config = _read_json(os.path.join(args.model, "config.json"))
+    tokenizer_path = os.path.join(args.model, "tokenizer.json")
+    if not os.path.isfile(tokenizer_path):
+        raise ServerSetupError(f"--model: {tokenizer_path} is missing; the server needs the model's tokenizer")
+    try:
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+    except Exception as exc:  # tokenizers raises a bare Exception subclass
+        raise ServerSetupError(f"{tokenizer_path}: not a tokenizers file: {exc}") from None
+    context = config.get("max_position_embeddings")
+    if not isinstance(context, int) or context < 1:
+        raise ServerSetupError(f"{args.model}/config.json: max_position_embeddings is missing or not a positive int")
+    max_model_len = min(context, args.max_model_len or context)
+    vocab_size = config.get("vocab_size")
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ServerSetupError(f"{args.model}/config.json: vocab_size is missing or not a positive int")
+    try:
+        chat_template = load_chat_template(args.model)
+    except ChatTemplateError as exc:
+        raise ServerSetupError(str(exc)) from None
+    return RequestBuilder(tokenizer, chat_template, max_model_len, vocab_size)
+
+
+def engine_factory(args: ServeArgs, max_model_len: int):
+    def build():
+        from mtp_runtime.engine.config import EngineConfig
+        from mtp_runtime.engine.llm_engine import LLMEngine
+
+        return LLMEngine(EngineConfig(
+            model=args.model, draft_model=args.draft_model,
+            num_speculative_tokens=args.num_speculative_tokens,
+            device=args.devices[0], dtype=args.dtype,
+            max_memory_utilization=args.max_memory_utilization,
+            max_tokens_per_batch=args.max_tokens_per_batch, max_seqs_per_batch=args.max_seqs_per_batch,
+            block_size=args.block_size, enable_prefix_cache=args.enable_prefix_cache,
+            enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_model_len,
+        ))
+    return build
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's own graceful shutdown, plus: refuse new work the moment SIGTERM arrives."""
+
+    def __init__(self, config: uvicorn.Config, on_exit_signal) -> None:
+        super().__init__(config)
+        self._on_exit_signal = on_exit_signal
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit_signal()
+        super().handle_exit(sig, frame)
+
+
+def serve(args: ServeArgs, log_level: str = "info") -> int:
+    builder = build_request_builder(args)
+    metrics = ServerMetrics(args.num_speculative_tokens)
+    engine = AsyncEngine(engine_factory(args, builder.max_model_len), metrics,
+                         max_in_flight=args.max_seqs_per_batch + args.max_waiting_requests)
+    health_extra = {"model": args.served_model_name, "num_speculative_tokens": args.num_speculative_tokens}
+    app = create_app(engine, builder, args.served_model_name, args.model, args.api_key, health_extra)
+
+    def on_exit_signal() -> None:
+        log.info("shutdown requested: no new requests; in-flight ones get %.0fs", args.shutdown_timeout)
+        app.state.draining = True
+        engine.stop_accepting()
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")
+    server = _GracefulServer(config, on_exit_signal)
+    exit_code = {"value": 0}
+
+    def on_load_failure() -> None:
+        exit_code["value"] = EXIT_LOAD_FAILED
+        server.should_exit = True
+
+    engine.on_load_failure = on_load_failure
+    engine.start()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if exit_code["value"]:
+        log.error("exiting: the model failed to load: %s", engine.load_error)
+    return exit_code["value"]
