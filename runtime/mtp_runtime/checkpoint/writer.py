@@ -9,6 +9,7 @@ place only when everything is on disk.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -59,8 +60,7 @@ def write_checkpoint(
         raise OutputExistsError(f"{out_dir}: output directory is not empty (choose another --out or remove it)")
     entries = plan_entries(config, tensors, fp8)
     groups = split_into_shards(entries, shards)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = make_temp_dir_beside(out_dir)
     try:
         weight_map = _write_shards(tmp, tensors, groups)
         total = sum(_nbytes(spec) for spec in entries.values())
@@ -68,7 +68,7 @@ def write_checkpoint(
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         _write_config_files(tmp, config, fp8)
         _write_tokenizer(tmp, tokenizer_dir_or_obj)
-        _move_into_place(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -183,7 +183,18 @@ def _write_tokenizer(tmp: Path, tokenizer_dir_or_obj) -> None:
         raise TypeError("tokenizer_dir_or_obj must be a directory path or a tokenizers.Tokenizer")
 
 
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
+def make_temp_dir_beside(out_dir: Path) -> Path:
+    """An empty directory next to `out_dir` (same filesystem, so the final rename is atomic)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    # mkdtemp makes it private (0700); a model directory should get the usual permissions.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def move_into_place(tmp: Path, out_dir: Path) -> None:
     """Rename the finished temp dir to `out_dir`; an old `out_dir` is removed only after that."""
     if not out_dir.exists():
         tmp.rename(out_dir)
