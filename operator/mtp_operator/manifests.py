@@ -1,0 +1,178 @@
+"""Kubernetes manifests of a DeploymentPlan, as plain dicts (no API calls here).
+
+    build_export_job(plan, spec, owner, settings)      batch/v1 Job running `mtp export`
+    build_headless_service(plan, owner)                rank discovery (publishNotReadyAddresses)
+    build_client_service(plan, spec, owner)            the OpenAI endpoint, rank 0 only
+    build_statefulset(plan, spec, owner, settings)     one pod per rank, Parallel, OnDelete
+    owner_reference(owner)                             from the MtpDeployment's body
+
+Updates use OnDelete: the operator deletes the whole group's pods at once
+when the template hash changes, so a multi-node group never runs mixed
+versions rank by rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from mtp_operator import constants as c
+from mtp_operator.plan import DeploymentPlan, client_service_name, headless_service_name, statefulset_name
+from mtp_operator.settings import OperatorSettings
+from mtp_operator.spec import MtpDeploymentSpec
+
+ANNOTATION_EXPORT_FINGERPRINT = f"{c.GROUP}/export-fingerprint"
+SHM_VOLUME = "dshm"
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(name: str, plan: DeploymentPlan, owner: Mapping[str, Any], component: str,
+              annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta = {"name": name, "namespace": plan.namespace, "labels": c.child_labels(plan.name, component),
+            "ownerReferences": [owner_reference(owner)]}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def _model_volume(spec: MtpDeploymentSpec, read_only: bool) -> dict[str, Any]:
+    volume = spec.model.volume
+    if volume.claim_name:
+        return {"name": c.MODEL_VOLUME_NAME,
+                "persistentVolumeClaim": {"claimName": volume.claim_name, "readOnly": read_only}}
+    return {"name": c.MODEL_VOLUME_NAME, "hostPath": {"path": volume.host_path, "type": "Directory"}}
+
+
+def _security_context() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _pull_secrets(settings: OperatorSettings) -> list[dict[str, str]]:
+    return [{"name": name} for name in settings.image_pull_secrets]
+
+
+def _scheduling(spec: MtpDeploymentSpec) -> dict[str, Any]:
+    sched = spec.scheduling
+    out: dict[str, Any] = {}
+    if sched.node_selector:
+        out["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        out["tolerations"] = list(sched.tolerations)
+    if sched.affinity:
+        out["affinity"] = dict(sched.affinity)
+    if sched.priority_class_name:
+        out["priorityClassName"] = sched.priority_class_name
+    if sched.scheduler_name:
+        out["schedulerName"] = sched.scheduler_name
+    return out
+
+
+def build_export_job(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: Mapping[str, Any],
+                     settings: OperatorSettings) -> dict[str, Any]:
+    step = plan.export
+    if step is None:
+        raise ValueError(f"{plan.namespace}/{plan.name}: spec.draftModel is set, there is no export Job to build")
+    labels = c.child_labels(plan.name, c.COMPONENT_EXPORT)
+    container = {
+        "name": c.CONTAINER_EXPORT, "image": step.image, "command": step.argv[:1], "args": step.argv[1:],
+        "env": [{"name": k, "value": v} for k, v in step.env.items()],
+        "volumeMounts": [{"name": c.MODEL_VOLUME_NAME, "mountPath": spec.model.mount_path}],
+        # On failure the log tail becomes the termination message the operator reports.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _security_context(),
+    }
+    if step.resources:
+        container["resources"] = step.resources
+    pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container],
+                                "volumes": [_model_volume(spec, read_only=False)], **_scheduling(spec)}
+    if settings.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = _pull_secrets(settings)
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": _metadata(step.job_name, plan, owner, c.COMPONENT_EXPORT,
+                              {ANNOTATION_EXPORT_FINGERPRINT: step.fingerprint}),
+        "spec": {"backoffLimit": 1, "template": {"metadata": {"labels": labels}, "spec": pod_spec}},
+    }
+
+
+def _service_ports(plan: DeploymentPlan) -> list[dict[str, Any]]:
+    return [{"name": c.PORT_NAME_HTTP, "port": plan.http_port, "targetPort": c.PORT_NAME_HTTP, "protocol": "TCP"},
+            {"name": c.PORT_NAME_MASTER, "port": plan.master_port, "targetPort": c.PORT_NAME_MASTER,
+             "protocol": "TCP"}]
+
+
+def server_selector(plan: DeploymentPlan) -> dict[str, str]:
+    return {**c.selector_labels(plan.name), c.LABEL_COMPONENT: c.COMPONENT_SERVER}
+
+
+def build_headless_service(plan: DeploymentPlan, owner: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(headless_service_name(plan.name), plan, owner, c.COMPONENT_SERVER),
+        # Ranks must resolve each other before they are ready: readiness needs the whole group.
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": server_selector(plan),
+                 "ports": _service_ports(plan)},
+    }
+
+
+def build_client_service(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: Mapping[str, Any]) -> dict[str, Any]:
+    selector = {**server_selector(plan), c.LABEL_POD_INDEX: "0"}  # only rank 0 serves the API
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(client_service_name(plan.name), plan, owner, c.COMPONENT_SERVER),
+        "spec": {"type": spec.service.type, "selector": selector,
+                 "ports": [{"name": c.PORT_NAME_HTTP, "port": plan.http_port, "targetPort": c.PORT_NAME_HTTP,
+                            "protocol": "TCP"}]},
+    }
+
+
+def _server_container(plan: DeploymentPlan, spec: MtpDeploymentSpec) -> dict[str, Any]:
+    env = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}} for k, path in plan.pod_field_env.items()]
+    env += [{"name": k, "value": v} for k, v in plan.pod_env.items()]
+    mounts = [{"name": c.MODEL_VOLUME_NAME, "mountPath": spec.model.mount_path, "readOnly": True}]
+    if plan.accelerator_kind != "cpu":
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    container: dict[str, Any] = {
+        "name": c.CONTAINER_SERVER, "image": plan.image, "command": plan.pod_argv[:1], "args": plan.pod_argv[1:],
+        "env": env, "volumeMounts": mounts,
+        "ports": [{"name": c.PORT_NAME_HTTP, "containerPort": plan.http_port, "protocol": "TCP"},
+                  {"name": c.PORT_NAME_MASTER, "containerPort": plan.master_port, "protocol": "TCP"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _security_context(),
+    }
+    if plan.resources:
+        container["resources"] = plan.resources
+    if all(rank.http_port is not None for rank in plan.ranks):
+        # /health is 200 only when this rank is loaded and the whole group is connected.
+        container["readinessProbe"] = {"httpGet": {"path": plan.health_path, "port": c.PORT_NAME_HTTP},
+                                       "periodSeconds": 5, "failureThreshold": 3}
+    return container
+
+
+def build_statefulset(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: Mapping[str, Any],
+                      settings: OperatorSettings) -> dict[str, Any]:
+    labels = {**c.child_labels(plan.name, c.COMPONENT_SERVER), c.LABEL_TEMPLATE_HASH: plan.template_hash}
+    volumes = [_model_volume(spec, read_only=True)]
+    if plan.accelerator_kind != "cpu":
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+    pod_spec: dict[str, Any] = {"containers": [_server_container(plan, spec)], "volumes": volumes,
+                                "subdomain": headless_service_name(plan.name), **_scheduling(spec)}
+    if settings.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = _pull_secrets(settings)
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _metadata(statefulset_name(plan.name), plan, owner, c.COMPONENT_SERVER,
+                              {c.ANNOTATION_TEMPLATE_HASH: plan.template_hash}),
+        "spec": {
+            "replicas": plan.nnodes,
+            "serviceName": headless_service_name(plan.name),
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": server_selector(plan)},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }

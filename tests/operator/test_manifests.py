@@ -1,0 +1,115 @@
+"""Manifests built from plans: shape, and strict validation against Kubernetes schemas."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from mtp_operator import constants as c
+from mtp_operator.manifests import (build_client_service, build_export_job, build_headless_service,
+                                    build_statefulset)
+from mtp_operator.plan import kubernetes_master_host, plan_deployment
+from mtp_operator.settings import OperatorSettings
+from mtp_operator.spec import parse_spec
+
+VERSIONS = ["1.28", kubernetes_validate.latest_version()]
+SETTINGS = OperatorSettings(image_pull_secrets=("regcred",))
+VARIANTS = {
+    "builtin-cpu": {},
+    "builtin-npu": {"accelerator": {"resourceName": "huawei.com/Ascend910", "count": 8}},
+    "xllm-npu": {"engine": "xllm", "accelerator": {"resourceName": "huawei.com/Ascend910", "count": 8}},
+    "vllm-gpu": {"engine": "vllm", "accelerator": {"resourceName": "nvidia.com/gpu", "count": 8},
+                 "service": {"type": "LoadBalancer"}},
+    "hostpath-scheduling": {"model": {"volume": {"claimName": None, "hostPath": "/mnt/models"}},
+                            "scheduling": {"nodeSelector": {"a": "b"},
+                                           "tolerations": [{"key": "k", "operator": "Exists"}],
+                                           "affinity": {"nodeAffinity": {}}, "priorityClassName": "high",
+                                           "schedulerName": "volcano"},
+                            "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "8Gi"}},
+                            "env": [{"name": "FOO", "value": "bar"}],
+                            "export": {"resources": {"requests": {"cpu": "1"}}}},
+}
+
+
+def _all(make_cr, changes):
+    cr = make_cr(changes=changes)
+    spec = parse_spec(cr["spec"])
+    plan = plan_deployment("ds", "default", spec, master_host=kubernetes_master_host("ds", "default"),
+                           settings=SETTINGS)
+    return plan, {
+        "job": build_export_job(plan, spec, cr, SETTINGS),
+        "headless": build_headless_service(plan, cr),
+        "client": build_client_service(plan, spec, cr),
+        "statefulset": build_statefulset(plan, spec, cr, SETTINGS),
+    }
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("variant", VARIANTS.keys())
+def test_every_manifest_is_valid_kubernetes(make_cr, variant, version):
+    _, objects = _all(make_cr, VARIANTS[variant])
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_statefulset_shape(make_cr):
+    plan, objects = _all(make_cr, VARIANTS["builtin-npu"])
+    sts = objects["statefulset"]
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert sts["spec"]["replicas"] == 2 and sts["spec"]["serviceName"] == "ds-ranks"
+    assert sts["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert sts["metadata"]["annotations"][c.ANNOTATION_TEMPLATE_HASH] == plan.template_hash
+    pod = sts["spec"]["template"]
+    assert pod["metadata"]["labels"][c.LABEL_TEMPLATE_HASH] == plan.template_hash
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env[c.ENV_NODE_RANK]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env[c.ENV_HCCL_IF_IP]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["resources"]["limits"]["huawei.com/Ascend910"] == "8"
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert set(sts["spec"]["selector"]["matchLabels"].items()) <= set(pod["metadata"]["labels"].items())
+
+
+def test_vllm_workers_get_no_http_readiness_probe(make_cr):
+    _, objects = _all(make_cr, VARIANTS["vllm-gpu"])
+    container = objects["statefulset"]["spec"]["template"]["spec"]["containers"][0]
+    assert "readinessProbe" not in container and container["command"] == ["/bin/sh"]
+
+
+def test_services(make_cr):
+    _, objects = _all(make_cr, VARIANTS["vllm-gpu"])
+    headless, client = objects["headless"], objects["client"]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert client["spec"]["selector"][c.LABEL_POD_INDEX] == "0"
+    assert client["spec"]["type"] == "LoadBalancer"
+
+
+def test_export_job(make_cr):
+    plan, objects = _all(make_cr, VARIANTS["hostpath-scheduling"])
+    job = objects["job"]
+    assert job["metadata"]["name"] == plan.export.job_name
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert [container["command"][0], *container["args"]] == plan.export.argv
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert pod["volumes"][0]["hostPath"]["path"] == "/mnt/models"
+    assert container["resources"] == {"requests": {"cpu": "1"}}
+
+
+def test_no_export_job_without_export(make_cr):
+    cr = make_cr(changes={"export": None, "draftModel": {"path": "/models/d"}})
+    spec = parse_spec(cr["spec"])
+    plan = plan_deployment("ds", "default", spec, master_host="h")
+    with pytest.raises(ValueError, match="spec.draftModel is set"):
+        build_export_job(plan, spec, cr, SETTINGS)
+
+
+def test_strict_validation_is_not_vacuous(make_cr):
+    _, objects = _all(make_cr, {})
+    sts = objects["statefulset"]
+    sts["spec"]["template"]["spec"]["containers"][0]["commandd"] = ["typo"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, "1.28", strict=True)
