@@ -1,0 +1,167 @@
+"""Observations -> the MtpDeployment status dict (pure; both backends call it).
+
+    new_status = compute_status(old_status, observations, min_acceptance_rate=0.6, now="2026-...Z")
+
+Phase: Failed (spec cannot run, export failed, gang budget exhausted) >
+Exporting (draft not ready) > Starting (ranks not all ready/healthy) >
+Degraded (running, but acceptance below spec.speculative.minAcceptanceRate or
+a whole-group restart is pending) > Running.
+Conditions keep their lastTransitionTime while their status is unchanged.
+Speculative, throughput and latency figures keep their last values when this
+call has no fresh scrape (`observations.stats is None`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from mtp_operator import constants as c
+from mtp_operator.metrics import SpecDecodeStats
+from mtp_operator.observations import Observations
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(old: dict[str, dict], ctype: str, status: bool, reason: str, message: str, now: str,
+               generation: int) -> dict[str, Any]:
+    text = "True" if status else "False"
+    previous = old.get(ctype)
+    changed = previous is None or previous.get("status") != text
+    return {"type": ctype, "status": text, "reason": reason, "message": message,
+            "lastTransitionTime": now if changed else previous.get("lastTransitionTime", now),
+            "observedGeneration": generation}
+
+
+def _draft(obs: Observations) -> tuple[bool, str, str, bool]:
+    """(ready, reason, message, failed)."""
+    if obs.export is None:
+        return True, "DraftProvided", f"using draft model {obs.draft_model_path}", False
+    state = obs.export.state
+    if state == "succeeded":
+        return True, "ExportSucceeded", f"export job {obs.export.name} wrote {obs.draft_model_path}", False
+    if state == "failed":
+        detail = obs.export.message.strip() or "no termination message; see the job's pod logs"
+        return False, "ExportFailed", f"export job {obs.export.name} failed: {detail}", True
+    if state == "running":
+        return False, "Exporting", f"export job {obs.export.name} is running", False
+    return False, "ExportPending", f"creating export job {obs.export.name}", False
+
+
+def _ready_ranks(obs: Observations) -> tuple[int, list[str]]:
+    waiting = []
+    ready = 0
+    by_rank = {r.rank: r for r in obs.ranks if not r.terminating}
+    for rank in range(obs.nnodes):
+        r = by_rank.get(rank)
+        if r is None:
+            waiting.append(f"rank {rank}: no pod")
+        elif not r.current:
+            waiting.append(f"rank {rank}: old template, rolling")
+        elif not r.ready:
+            waiting.append(f"rank {rank}: not ready")
+        elif r.healthy is False:
+            waiting.append(f"rank {rank}: /health {r.health_detail or 'failed'}")
+        else:
+            ready += 1
+    return ready, waiting
+
+
+def _figures(stats: SpecDecodeStats, stats_time: str | None) -> dict[str, Any]:
+    def clean(values: dict[str, Any]) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items() if v is not None}
+
+    return {
+        "speculative": clean({"acceptanceRate": stats.acceptance_rate,
+                              "meanAcceptedTokensPerStep": stats.mean_accepted_tokens_per_step,
+                              "perPositionAcceptance": stats.per_position_acceptance,
+                              "draftTokens": int(stats.draft_tokens), "observedTime": stats_time}),
+        "throughput": clean({"generationTokensPerSecond": stats.generation_tokens_per_second,
+                             "promptTokensPerSecond": stats.prompt_tokens_per_second,
+                             "requestsRunning": stats.requests_running, "requestsWaiting": stats.requests_waiting,
+                             "kvCacheUsageRatio": stats.kv_cache_usage_ratio}),
+        "latency": clean({"timeToFirstTokenSeconds": stats.time_to_first_token_seconds,
+                          "timePerOutputTokenSeconds": stats.time_per_output_token_seconds}),
+    }
+
+
+def compute_status(old: dict[str, Any] | None, obs: Observations, *, min_acceptance_rate: float | None,
+                   now: str | None = None) -> dict[str, Any]:
+    old = dict(old or {})
+    now = now or utc_now()
+    old_conditions = {cond["type"]: cond for cond in old.get("conditions", []) if "type" in cond}
+    gen = obs.generation
+    draft_ready, draft_reason, draft_message, export_failed = _draft(obs)
+    ready_count, waiting = _ready_ranks(obs) if draft_ready else (0, [])
+    group_ready = draft_ready and ready_count == obs.nnodes and not obs.failure
+
+    figures = _figures(obs.stats, obs.stats_time) if obs.stats is not None else \
+        {k: old[k] for k in ("speculative", "throughput", "latency") if k in old}
+    acceptance = figures.get("speculative", {}).get("acceptanceRate")
+    low_acceptance = (group_ready and min_acceptance_rate is not None and acceptance is not None
+                      and acceptance < min_acceptance_rate)
+    gang = obs.gang or old.get("gang")
+    gang_reason = (gang or {}).get("reason")
+    gang_exhausted = gang_reason == "GangRestartBudgetExhausted"
+
+    failure = obs.failure
+    if failure is None and export_failed:
+        failure = (draft_reason, draft_message)
+    if failure is None and gang_exhausted:
+        failure = (gang_reason, f"whole-group restarts exhausted the budget ({gang.get('restarts')} used)")
+
+    if failure:
+        phase = "Failed"
+        progressing = (False, failure[0], failure[1])
+        ready = (False, failure[0], failure[1])
+    elif not draft_ready:
+        phase = "Exporting"
+        progressing = (True, draft_reason, draft_message)
+        ready = (False, "DraftNotReady", draft_message)
+    elif not group_ready:
+        phase = "Starting"
+        message = f"{ready_count}/{obs.nnodes} ranks ready; " + "; ".join(waiting)
+        progressing = (True, "RanksStarting", message)
+        ready = (False, "RanksNotReady", message)
+    else:
+        phase = "Running"
+        progressing = (False, "GroupReady", f"all {obs.nnodes} ranks ready")
+        ready = (True, "GroupReady", f"all {obs.nnodes} ranks ready and healthy")
+
+    if low_acceptance:
+        degraded = (True, "LowAcceptance",
+                    f"acceptance rate {acceptance:.3f} is below minAcceptanceRate {min_acceptance_rate}")
+    elif gang_reason in ("GangRestartBackoff",) or (phase == "Failed" and gang_exhausted):
+        degraded = (True, gang_reason, "whole-group restarts are failing to bring the group up")
+    else:
+        degraded = (False, "AsExpected", "")
+    if phase == "Running" and degraded[0]:
+        phase = "Degraded"
+
+    conditions = [
+        _condition(old_conditions, c.CONDITION_DRAFT_READY, draft_ready, draft_reason, draft_message, now, gen),
+        _condition(old_conditions, c.CONDITION_READY, *ready, now, gen),
+        _condition(old_conditions, c.CONDITION_PROGRESSING, *progressing, now, gen),
+        _condition(old_conditions, c.CONDITION_DEGRADED, *degraded, now, gen),
+    ]
+    status: dict[str, Any] = {
+        "phase": phase, "observedGeneration": gen, "conditions": conditions,
+        "readyNodes": ready_count, "nnodes": obs.nnodes, "nodes": f"{ready_count}/{obs.nnodes}",
+        "masterAddress": obs.master_address, "endpoint": obs.endpoint, "draftModelPath": obs.draft_model_path,
+        "templateHash": obs.template_hash, **figures,
+    }
+    if obs.export is not None:
+        status["exportJob"] = obs.export.name
+    if gang:
+        status["gang"] = gang
+    return status
+
+
+def status_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch turning `old` into `new` (None deletes); empty when nothing changed."""
+    old = old or {}
+    patch: dict[str, Any] = {k: v for k, v in new.items() if old.get(k) != v}
+    patch.update({k: None for k in old if k not in new and k != "kopf"})
+    return patch

@@ -1,0 +1,85 @@
+"""Observations -> status: phases, conditions, figures."""
+
+from __future__ import annotations
+
+from mtp_operator.metrics import SpecDecodeStats
+from mtp_operator.observations import ExportObservation, Observations, RankObservation
+from mtp_operator.status import compute_status, status_changes
+
+
+def obs(export="succeeded", ready=(True, True), stats=None, generation=1, **kw):
+    return Observations(
+        generation=generation, nnodes=len(ready), draft_model_path="/models/d", master_address="h:29500",
+        endpoint="http://svc:8000", template_hash="abc",
+        export=None if export is None else ExportObservation("job-1", export, kw.pop("message", "")),
+        ranks=[RankObservation(i, f"u{i}", 0, r, healthy=kw.get("healthy")) for i, r in enumerate(ready)],
+        stats=stats, stats_time="2026-01-01T00:00:10Z", failure=kw.get("failure"), gang=kw.get("gang"))
+
+
+def stats(rate):
+    return SpecDecodeStats(rate, 0.9, [0.9], 100, 10.0, 50.0, 5.0, 0.2, 0.03, 1.0, 0.0, 0.4)
+
+
+def cond(status, ctype):
+    return next(c for c in status["conditions"] if c["type"] == ctype)
+
+
+def test_exporting_then_starting_then_running():
+    s1 = compute_status(None, obs(export="running", ready=()), min_acceptance_rate=None, now="T1")
+    assert s1["phase"] == "Exporting" and cond(s1, "DraftReady")["status"] == "False"
+    assert cond(s1, "Progressing")["reason"] == "Exporting"
+    s2 = compute_status(s1, obs(ready=(True, False)), min_acceptance_rate=None, now="T2")
+    assert s2["phase"] == "Starting" and s2["nodes"] == "1/2"
+    assert cond(s2, "DraftReady") == {**cond(s2, "DraftReady"), "status": "True", "lastTransitionTime": "T2"}
+    assert "rank 1: not ready" in cond(s2, "Ready")["message"]
+    s3 = compute_status(s2, obs(stats=stats(0.8)), min_acceptance_rate=0.6, now="T3")
+    assert s3["phase"] == "Running" and s3["readyNodes"] == 2
+    assert cond(s3, "Ready")["status"] == "True" and cond(s3, "Ready")["lastTransitionTime"] == "T3"
+    assert cond(s3, "DraftReady")["lastTransitionTime"] == "T2"  # unchanged status keeps its time
+    assert s3["speculative"]["acceptanceRate"] == 0.8 and s3["throughput"]["generationTokensPerSecond"] == 50.0
+    assert s3["latency"]["timePerOutputTokenSeconds"] == 0.03
+    assert s3["speculative"]["observedTime"] == "2026-01-01T00:00:10Z"
+
+
+def test_figures_are_kept_without_a_fresh_scrape():
+    s1 = compute_status(None, obs(stats=stats(0.7)), min_acceptance_rate=None, now="T1")
+    s2 = compute_status(s1, obs(stats=None), min_acceptance_rate=None, now="T2")
+    assert s2["speculative"] == s1["speculative"]
+    assert status_changes(s1, s2) == {}
+
+
+def test_low_acceptance_degrades():
+    s = compute_status(None, obs(stats=stats(0.4)), min_acceptance_rate=0.6, now="T")
+    assert s["phase"] == "Degraded"
+    degraded = cond(s, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "LowAcceptance"
+    assert "0.400 is below minAcceptanceRate 0.6" in degraded["message"]
+
+
+def test_export_failure_reports_the_termination_message():
+    s = compute_status(None, obs(export="failed", ready=(), message="KeyError: model.layers.61"),
+                       min_acceptance_rate=None, now="T")
+    assert s["phase"] == "Failed"
+    draft = cond(s, "DraftReady")
+    assert draft["reason"] == "ExportFailed" and "KeyError: model.layers.61" in draft["message"]
+    assert s["exportJob"] == "job-1"
+
+
+def test_unhealthy_rank_keeps_group_starting():
+    s = compute_status(None, obs(healthy=False), min_acceptance_rate=None, now="T")
+    assert s["phase"] == "Starting" and s["readyNodes"] == 0
+
+
+def test_failure_and_budget_exhaustion():
+    s = compute_status(None, obs(failure=("InvalidSpec", "spec.nnodes: bad")), min_acceptance_rate=None, now="T")
+    assert s["phase"] == "Failed" and cond(s, "Ready")["reason"] == "InvalidSpec"
+    gang = {"members": {}, "restarts": 5, "reason": "GangRestartBudgetExhausted"}
+    s = compute_status(None, obs(gang=gang), min_acceptance_rate=None, now="T")
+    assert s["phase"] == "Failed" and cond(s, "Degraded")["status"] == "True"
+
+
+def test_draft_provided_and_observed_generation():
+    s = compute_status(None, obs(export=None, generation=7), min_acceptance_rate=None, now="T")
+    assert cond(s, "DraftReady")["reason"] == "DraftProvided" and s["observedGeneration"] == 7
+    assert "exportJob" not in s
+    assert status_changes({"exportJob": "old", **s}, s) == {"exportJob": None}
