@@ -7,7 +7,9 @@ the same Python, and held-out files never leak into tokenizer or model training.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import sysconfig
 from pathlib import Path
 
@@ -28,18 +30,29 @@ def corpus_files(split: str) -> list[Path]:
     """Sorted stdlib .py files of one split."""
     if split not in SPLITS:
         raise ValueError(f"corpus split must be one of {SPLITS}, got {split!r}")
-    root = stdlib_dir()
-    files = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if _SKIP_DIRS.intersection(rel.parts[:-1]):
-            continue
-        bucket = int(hashlib.sha1(rel.as_posix().encode()).hexdigest(), 16) % HELDOUT_MODULUS
-        if (bucket == 0) == (split == "heldout"):
-            files.append(path)
+    files = [path for path, heldout in _listing(str(stdlib_dir())) if heldout == (split == "heldout")]
     if not files:
-        raise FileNotFoundError(f"no .py sources under {root} for split {split!r}: is the standard library installed?")
+        raise FileNotFoundError(
+            f"no .py sources under {stdlib_dir()} for split {split!r}: is the standard library installed?"
+        )
     return files
+
+
+@functools.lru_cache(maxsize=4)
+def _listing(root: str) -> tuple[tuple[Path, bool], ...]:
+    """(file, is held-out) for every stdlib source, sorted by relative path."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]  # prune, don't descend
+        for fname in filenames:
+            if fname.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, fname), root).replace(os.sep, "/")
+                found.append(rel)
+    listing = []
+    for rel in sorted(found):
+        bucket = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % HELDOUT_MODULUS
+        listing.append((Path(root) / rel, bucket == 0))
+    return tuple(listing)
 
 
 def corpus_texts(split: str, max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:

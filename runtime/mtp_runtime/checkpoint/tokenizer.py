@@ -19,7 +19,7 @@ from pathlib import Path
 from .corpus import corpus_texts
 
 # Bump when the training recipe changes, so stale cache entries are not reused.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Files a model directory may carry that describe tokenisation/generation; export copies these.
 AUX_FILES = (
