@@ -100,7 +100,7 @@ def _export(input_dir, output_dir, model_type, force, keep_fp8, max_shard_bytes)
     if not (input_dir / CONFIG_FILE).is_file():
         raise ExportError(EXIT_MISSING_INPUT, f"{input_dir / CONFIG_FILE}: config.json not found")
     read_before = READ_STATS.bytes_read
-    files_before = set(READ_STATS.files_opened)
+    opens_before = len(READ_STATS.opens)
     index = CheckpointIndex(input_dir)
     arch = resolve_arch(index.config, model_type)
     options = {"model_type": draft_layout.DRAFT_MODEL_TYPES[arch], "keep_fp8": keep_fp8,
@@ -130,7 +130,7 @@ def _export(input_dir, output_dir, model_type, force, keep_fp8, max_shard_bytes)
     return ExportResult(
         output_dir, options["model_type"], skipped=False, num_tensors=len(entries), tensor_bytes=total,
         bytes_read=READ_STATS.bytes_read - read_before,
-        shards_opened=sorted(Path(p).name for p in READ_STATS.files_opened - files_before),
+        shards_opened=sorted({Path(p).name for p in READ_STATS.opens[opens_before:]}),
         files=files,
     )
 

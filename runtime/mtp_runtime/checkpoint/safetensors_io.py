@@ -44,11 +44,15 @@ class ReadStats:
     """Bytes requested from checkpoint files and which files were opened (this process)."""
 
     bytes_read: int = 0
-    files_opened: set[str] = field(default_factory=set)
+    opens: list[str] = field(default_factory=list)  # one entry per open, in order
+
+    @property
+    def files_opened(self) -> set[str]:
+        return set(self.opens)
 
     def reset(self) -> None:
         self.bytes_read = 0
-        self.files_opened = set()
+        self.opens = []
 
 
 READ_STATS = ReadStats()
@@ -72,7 +76,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            READ_STATS.files_opened.add(str(path))
+            READ_STATS.opens.append(str(path))
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CorruptFileError(f"{path}: truncated safetensors file ({size} bytes, no header)")
@@ -128,7 +132,7 @@ def read_tensor(path: Path, name: str, info: TensorInfo) -> torch.Tensor:
     except FileNotFoundError:
         raise MissingFileError(f"{path}: shard file not found (needed for tensor {name!r})") from None
     try:
-        READ_STATS.files_opened.add(str(path))
+        READ_STATS.opens.append(str(path))
         view, got = memoryview(buf), 0
         while got < info.nbytes:
             n = os.preadv(fd, [view[got:]], info.start + got)
