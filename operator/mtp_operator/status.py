@@ -37,6 +37,8 @@ def _condition(old: dict[str, dict], ctype: str, status: bool, reason: str, mess
 
 def _draft(obs: Observations) -> tuple[bool, str, str, bool]:
     """(ready, reason, message, failed)."""
+    if obs.failure and obs.export is None and not obs.draft_model_path:
+        return False, obs.failure[0], obs.failure[1], False
     if obs.export is None:
         return True, "DraftProvided", f"using draft model {obs.draft_model_path}", False
     state = obs.export.state

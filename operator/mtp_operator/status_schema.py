@@ -64,6 +64,7 @@ class MtpDeploymentStatus(ApiModel):
     draft_model_path: str | None = None
     export_job: str | None = None
     template_hash: str | None = None
+    applied_hash: str | None = Field(None, description="Digest of the children last applied.")
     speculative: SpeculativeStatus | None = None
     throughput: ThroughputStatus | None = None
     latency: LatencyStatus | None = None

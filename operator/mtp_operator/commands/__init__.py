@@ -1,0 +1,1 @@
+"""`mtp` subcommands contributed by the operator package (entry-point group mtp.commands)."""

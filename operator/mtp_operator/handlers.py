@@ -1,0 +1,145 @@
+"""kopf wiring: startup settings, indices of children, and thin handlers.
+
+    registry = build_registry(OperatorSettings.from_env())
+    await kopf.operator(registry=registry, namespaces=[...], standalone=True)
+
+Handlers only gather state (kopf indices, the per-object memo) and call
+`reconcile.reconcile`; kopf applies the status patch itself (status
+subresource). The same reconcile runs on create, on spec update, on operator
+resume and on a timer (level-based: Job finished, pods ready, a rank
+restarted). A second timer scrapes rank 0's metrics every
+MTP_OPERATOR_METRICS_INTERVAL seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import kopf
+
+from mtp_operator import constants as c
+from mtp_operator.indexing import job_summary, owner_key, pod_summary, statefulset_summary
+from mtp_operator.kube import KubeApi, load_api_client
+from mtp_operator.metrics import MetricsFormatError, interval_stats, read_counters
+from mtp_operator.plan import kubernetes_master_host, plan_deployment
+from mtp_operator.probes import fetch_metrics
+from mtp_operator.reconcile import Cluster, phase_event, reconcile
+from mtp_operator.settings import OperatorSettings
+from mtp_operator.spec import SpecError, parse_spec
+from mtp_operator.status import status_changes, utc_now
+
+log = logging.getLogger(__name__)
+OURS = {c.LABEL_MANAGED_BY: c.MANAGED_BY_VALUE}
+RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
+
+
+def build_registry(settings: OperatorSettings,
+                   api_client_factory: Callable[[], Any] = load_api_client) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    state: dict[str, Any] = {}
+    locks: dict[str, threading.Lock] = {}
+    locks_guard = threading.Lock()
+
+    def object_lock(uid: str) -> threading.Lock:
+        with locks_guard:
+            return locks.setdefault(uid, threading.Lock())
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Our annotations, not kopf's defaults, so users can tell who wrote them.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.KOPF_ANNOTATION_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=c.KOPF_ANNOTATION_PREFIX)
+        settings.posting.level = logging.WARNING
+        state["kube"] = KubeApi(api_client_factory())
+
+    # The same credentials for kopf's watches and for kube.py's client.
+    kopf.on.login(registry=registry)(kopf.login_via_client)
+
+    @kopf.index("batch", "v1", "jobs", labels=OURS, registry=registry)
+    def mtp_jobs(body: kopf.Body, **_: Any) -> dict:
+        key = owner_key(body)
+        return {key: job_summary(body)} if key else {}
+
+    @kopf.index("", "v1", "pods", labels=OURS, registry=registry)
+    def mtp_pods(body: kopf.Body, **_: Any) -> dict:
+        key = owner_key(body)
+        return {key: pod_summary(body)} if key else {}
+
+    @kopf.index("apps", "v1", "statefulsets", labels=OURS, registry=registry)
+    def mtp_statefulsets(body: kopf.Body, **_: Any) -> dict:
+        key = owner_key(body)
+        return {key: statefulset_summary(body)} if key else {}
+
+    def run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, mtp_jobs: kopf.Index,
+            mtp_pods: kopf.Index, mtp_statefulsets: kopf.Index) -> None:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        with object_lock(body["metadata"]["uid"]):
+            cluster = Cluster(state["kube"], settings, list(mtp_jobs.get(key, [])), list(mtp_pods.get(key, [])),
+                              list(mtp_statefulsets.get(key, [])))
+            stats = memo.pop("fresh_stats", None)
+            outcome = reconcile(body, cluster, stats, time.time())
+        old = dict(body.get("status") or {})
+        changes = status_changes(old, outcome.status)
+        for field_name, value in changes.items():
+            patch.status[field_name] = value
+        change = phase_event(old, outcome.status)
+        for event_type, reason, message in outcome.events + ([change] if change else []):
+            state["kube"].post_event(body, reason, message, event_type)
+
+    @kopf.on.create(*RESOURCE, registry=registry)
+    def created(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
+        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+
+    @kopf.on.update(*RESOURCE, registry=registry)
+    def updated(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
+        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+
+    @kopf.on.resume(*RESOURCE, registry=registry)
+    def resumed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
+        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+
+    @kopf.timer(*RESOURCE, interval=settings.reconcile_interval, registry=registry)
+    def level(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
+        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+
+    @kopf.timer(*RESOURCE, interval=settings.metrics_interval, initial_delay=settings.metrics_interval,
+                registry=registry)
+    def scrape(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
+        if scrape_rank0(body, memo, kw["mtp_pods"], settings):
+            run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+
+    return registry
+
+
+def scrape_rank0(body: kopf.Body, memo: kopf.Memo, pods: kopf.Index, settings: OperatorSettings) -> bool:
+    """Read rank 0's metrics into memo["fresh_stats"]; False when there is nothing to read."""
+    if (body.get("status") or {}).get("phase") not in ("Running", "Degraded") or not settings.probe_pods:
+        return False
+    meta = body["metadata"]
+    try:
+        spec = parse_spec(body.get("spec"))
+        plan = plan_deployment(meta["name"], meta["namespace"], spec,
+                               master_host=kubernetes_master_host(meta["name"], meta["namespace"]), settings=settings)
+    except (SpecError, ValueError):
+        return False
+    rank0 = next((p for p in pods.get((meta["namespace"], meta["name"]), [])
+                  if p.get("component") == c.COMPONENT_SERVER and p.get("rank") == 0 and p.get("podIP")
+                  and not p.get("terminating")), None)
+    if rank0 is None:
+        return False
+    try:
+        text = fetch_metrics(rank0["podIP"], plan.http_port, plan.metrics_path, settings.metrics_timeout)
+        counters = read_counters(plan.engine, text, time.time())
+    except (OSError, MetricsFormatError) as exc:
+        log.warning("%s/%s: cannot read rank 0 metrics: %s", meta["namespace"], meta["name"], exc)
+        return False
+    previous = memo.get("counters")
+    if previous is not None and previous[0] != rank0["uid"]:
+        previous = None  # a new rank-0 pod: its counters start from zero, not from the old pod's
+    stats = interval_stats(previous[1] if previous else None, counters, spec.speculative.num_speculative_tokens)
+    memo["counters"] = (rank0["uid"], counters)
+    memo["fresh_stats"] = (stats, utc_now())
+    return True

@@ -1,0 +1,109 @@
+"""Every Kubernetes API call the operator's own code makes, in one place.
+
+The Helm chart's RBAC is checked against this module: each call below uses
+the official client's standard method name (verb + resource), e.g.
+`create_namespaced_job` -> create jobs.batch.
+
+Calls made here:
+    batch/v1 jobs           create_namespaced_job
+    v1 services             create_namespaced_service, patch_namespaced_service
+    apps/v1 statefulsets    create_namespaced_stateful_set, patch_namespaced_stateful_set
+    v1 pods                 delete_collection_namespaced_pod   (whole-group restarts and rolls)
+    v1 events               create_namespaced_event            (phase changes)
+
+kopf's own needs (not calls in this file, but the same RBAC):
+    mtpdeployments.mtp.inference.dev       list, watch, patch (annotations: progress, last-handled spec)
+    mtpdeployments/status                  patch (kopf writes `status` from handler patches)
+    jobs.batch, pods, statefulsets.apps    list, watch (kopf indices feed the reconcile)
+    customresourcedefinitions.apiextensions.k8s.io   list, watch (resource discovery)
+    namespaces                             list, watch (only with --all-namespaces)
+    events                                 create (kopf's own error events)
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from mtp_operator import constants as c
+
+log = logging.getLogger(__name__)
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster service account if present, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except config.ConfigException:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+def selector(labels: Mapping[str, str], exclude: Mapping[str, str] | None = None) -> str:
+    """A label selector string: key=value,... plus key!=value for `exclude`."""
+    parts = [f"{k}={v}" for k, v in labels.items()]
+    parts += [f"{k}!={v}" for k, v in (exclude or {}).items()]
+    return ",".join(parts)
+
+
+class KubeApi:
+    def __init__(self, api_client: client.ApiClient):
+        self.core = client.CoreV1Api(api_client)
+        self.batch = client.BatchV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+
+    def create_job(self, namespace: str, body: dict[str, Any]) -> bool:
+        """True if created; False if a Job of that name exists already (idempotent)."""
+        try:
+            self.batch.create_namespaced_job(namespace, body)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    def apply_service(self, namespace: str, body: dict[str, Any]) -> None:
+        try:
+            self.core.create_namespaced_service(namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            self.core.patch_namespaced_service(body["metadata"]["name"], namespace, body,
+                                               _content_type=MERGE_PATCH)
+
+    def apply_statefulset(self, namespace: str, body: dict[str, Any]) -> None:
+        try:
+            self.apps.create_namespaced_stateful_set(namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            # Merge patch: replicas, template and annotations are ours; selector is immutable and unchanged.
+            self.apps.patch_namespaced_stateful_set(body["metadata"]["name"], namespace, body,
+                                                    _content_type=MERGE_PATCH)
+
+    def delete_pods(self, namespace: str, label_selector: str) -> None:
+        """Delete every matching pod at once (the StatefulSet recreates them together)."""
+        self.core.delete_collection_namespaced_pod(namespace, label_selector=label_selector,
+                                                   grace_period_seconds=0)
+
+    def post_event(self, owner: Mapping[str, Any], reason: str, message: str, event_type: str = "Normal") -> None:
+        meta = owner["metadata"]
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta.get("uid")},
+            "reason": reason, "message": message[:1024], "type": event_type,
+            "source": {"component": c.MANAGED_BY_VALUE}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)
+        except ApiException as exc:  # an event is best effort; never fail a reconcile for it
+            log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], exc.reason)
