@@ -1,0 +1,153 @@
+"""`mtp up FILE.yaml`: run an MtpDeployment on this machine, no cluster needed.
+
+The same validation and planning code as the operator; the plan is realised
+as local processes (the export step, then one `mtp serve` per rank on
+loopback) and the status the operator would write is printed as it changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+HELP = "run an MtpDeployment on this machine with no cluster (the embedded default)"
+DESCRIPTION = """\
+Run an MtpDeployment on this machine with no cluster: the operator's own
+validation and plan, realised as local processes instead of a Job and a
+StatefulSet. The export step runs first (`mtp export`; a no-op when the
+draft's manifest says it is up to date), then spec.nnodes ranks start on
+127.0.0.1 (rank r serves HTTP on port P+r, rank 0 is the master). The status
+the operator would write (phase, conditions, acceptance rate) is printed as
+it changes, until Ctrl-C or SIGTERM stops every rank cleanly. A rank that
+exits restarts the whole group, within --restart-budget.
+
+The model volume's hostPath (or --models-dir) is where spec paths under
+spec.model.mountPath live on this machine. If spec.model.path has no model
+and the resource carries the annotation mtp.inference.dev/make-tiny, the
+model is built first with `mtp make-tiny` and those arguments.
+
+  mtp up crds/samples/tiny-cpu.yaml                        # until Ctrl-C
+  mtp up crds/samples/tiny-cpu.yaml --once --requests 3    # Ready, 3 completions, status, exit
+"""
+
+EXIT_BAD_INPUT = 2
+NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", type=Path, help="MtpDeployment YAML (one resource)")
+    parser.add_argument("--models-dir", type=Path, default=None,
+                        help="local folder holding spec.model.mountPath's content (default: the volume's hostPath)")
+    parser.add_argument("--once", action="store_true",
+                        help="exit 0 once the group is Ready (after --requests), printing the status")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds to reach Ready before giving up with exit 1 (default: none; 900 with --once)")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="once Ready, send N greedy completions to rank 0 and show the acceptance they gave")
+    parser.add_argument("--port", type=int, default=None,
+                        help="HTTP port of rank 0; rank r uses PORT+r (default: spec.ports.http if free, else a free one)")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="rank 0's rendezvous port (default: spec.ports.master if free, else a free one)")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="where each process's log goes (default: a folder under the system temp dir)")
+    parser.add_argument("--status-file", type=Path, default=None,
+                        help="keep the latest status in this JSON file (for scripts)")
+    parser.add_argument("--metrics-interval", type=float, default=10.0,
+                        help="seconds between scrapes of rank 0's /metrics (default 10)")
+    parser.add_argument("--restart-budget", type=int, default=None,
+                        help="whole-group restarts allowed (default: the operator's gang restart budget)")
+    parser.add_argument("--restart-backoff", type=float, default=None,
+                        help="seconds before the first group restart, doubling each time (default: the operator's)")
+    parser.add_argument("--make-model-only", action="store_true",
+                        help="only build a missing model from the make-tiny annotation, then exit")
+
+
+class UpInputError(ValueError):
+    """FILE.yaml cannot be run; the message names the file and the field."""
+
+
+def load_resource(path: Path) -> dict[str, Any]:
+    import yaml
+
+    from mtp_operator import constants as c
+
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except OSError as exc:
+        raise UpInputError(f"{path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise UpInputError(f"{path}: not valid YAML: {exc}") from None
+    resources = [d for d in docs if isinstance(d, dict) and d.get("kind") == c.KIND]
+    if len(resources) != 1:
+        raise UpInputError(f"{path}: expected exactly one {c.KIND} resource, found {len(resources)}")
+    resource = resources[0]
+    if resource.get("apiVersion") != c.API_VERSION:
+        raise UpInputError(f"{path}: apiVersion must be {c.API_VERSION}, got {resource.get('apiVersion')!r}")
+    metadata = resource.get("metadata") or {}
+    name = metadata.get("name")
+    if not isinstance(name, str) or not NAME_PATTERN.match(name) or len(name) > 63:
+        raise UpInputError(f"{path}: metadata.name must be a DNS label (lower-case letters, digits, '-'), got {name!r}")
+    return resource
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtp_operator.local.launch import choose_ports, export_process, plan_local, rank_processes
+    from mtp_operator.local.model_prep import ModelPrepError, ensure_model
+    from mtp_operator.local.paths import LocalPathError, LocalPaths
+    from mtp_operator.local.runner import LocalDeployment, UpOptions
+    from mtp_operator.plan import PlanError
+    from mtp_operator.settings import OperatorSettings, SettingsError
+    from mtp_operator.spec import SpecError, parse_spec
+
+    def fail(message: str) -> int:
+        print(f"mtp up: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    try:
+        resource = load_resource(args.file)
+        name = resource["metadata"]["name"]
+        spec = parse_spec(resource.get("spec"))
+        settings = OperatorSettings.from_env()
+        paths = LocalPaths.for_spec(spec, args.models_dir)
+        ensure_model(paths.to_local(spec.model.path), resource["metadata"].get("annotations") or {},
+                     log=lambda line: print(f"mtp up: {line}", flush=True))
+        if args.make_model_only:
+            return 0
+        http_port, master_port = choose_ports(spec, args.port, args.master_port)
+        plan = plan_local(name, spec, http_port, master_port)
+        export, ranks = export_process(plan, paths), rank_processes(plan, paths)
+    except (UpInputError, SpecError, LocalPathError, ModelPrepError, PlanError, SettingsError) as exc:
+        return fail(f"{args.file}: {exc}" if not str(exc).startswith(str(args.file)) else str(exc))
+    if args.requests < 0:
+        return fail(f"--requests must be >= 0, got {args.requests}")
+
+    log_dir = args.log_dir or Path(tempfile.gettempdir()) / "mtp-up" / name
+    options = UpOptions(
+        log_dir=log_dir, once=args.once, timeout=args.timeout if args.timeout or not args.once else 900.0,
+        requests=args.requests, metrics_interval=args.metrics_interval, status_file=args.status_file,
+        restart_budget=settings.gang_restart_budget if args.restart_budget is None else args.restart_budget,
+        restart_backoff=settings.gang_restart_backoff if args.restart_backoff is None else args.restart_backoff,
+        generation=int(resource["metadata"].get("generation") or 1),
+    )
+    deployment = LocalDeployment(name, spec, plan, export, ranks, options,
+                                 out=lambda line: print(line, flush=True))
+    print(f"mtp up: {name}: {plan.nnodes} rank(s) of {plan.engine} on 127.0.0.1, HTTP from port {http_port}, "
+          f"master {plan.master_address}; logs in {log_dir}", flush=True)
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = deployment.run(stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    from mtp_operator.local.report import status_document
+
+    print(status_document(name, deployment.status), end="", flush=True)
+    return code
