@@ -53,6 +53,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # global spec-decode counters
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.verify_steps = 0
+        self.accepted_per_position = [0] * num_speculative_tokens
 
     # requests ---------------------------------------------------------------
 
@@ -60,7 +65,8 @@ class Scheduler:
         """Cache slots `seq` may need at its longest: all tokens plus the speculative overhang."""
         return seq.num_prompt_tokens + seq.max_output_tokens + 2 * self.k
 
-    def add(self, seq: Sequence) -> None:
+    def check(self, seq: Sequence) -> None:
+        """Raise if `seq` could never run (reads only settings, so any thread may call it)."""
         if seq.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"request {seq.request_id!r}: prompt has {seq.num_prompt_tokens} tokens, "
                              f"max_model_len is {self.max_model_len}; shorten the prompt or raise max_model_len")
@@ -71,6 +77,9 @@ class Scheduler:
         if not self.chunked and len(seq) > self.max_tokens:
             raise ValueError(f"request {seq.request_id!r}: prompt has {len(seq)} tokens > max_tokens_per_batch="
                              f"{self.max_tokens} with chunked prefill off; enable chunked prefill or raise it")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -193,6 +202,11 @@ class Scheduler:
             seq.num_cached_tokens += chunk + accepted
             if drafts:
                 seq.record_verify(drafts, accepted)
+                self.draft_tokens += drafts
+                self.accepted_tokens += accepted
+                self.verify_steps += 1
+                for pos in range(accepted):
+                    self.accepted_per_position[pos] += 1
             if not tokens:
                 bm.register_full_blocks(seq, seq.num_cached_tokens)
                 continue

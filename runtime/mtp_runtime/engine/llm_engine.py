@@ -1,0 +1,203 @@
+"""LLMEngine: requests in, one scheduled model step at a time, RequestOutputs out.
+
+Threading: add_request and abort_request may be called from any thread. They
+validate in the caller's thread (so a bad request raises there) and post to a
+queue that step() drains; everything else (step, stats, has_unfinished_requests)
+belongs to the one thread that steps the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from mtp_runtime.engine.config import EngineConfig
+from mtp_runtime.engine.model_runner import ModelRunner
+from mtp_runtime.engine.scheduler import Scheduler
+from mtp_runtime.engine.sequence import Sequence
+from mtp_runtime.sampling_params import SamplingParams
+
+
+class RequestOutput:
+    """What a step reports for one request. `text` is decoded on first access."""
+
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer, new_token_ids: list[int], text: str | None = None):
+        self.request_id = seq.request_id
+        self.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
+        self.token_ids = seq.output_token_ids
+        self.new_token_ids = new_token_ids
+        self.finished = seq.is_finished
+        self.finish_reason = seq.finish_reason
+        self.draft_tokens = seq.draft_tokens
+        self.accepted_tokens = seq.accepted_tokens
+        self.accepted_per_position = list(seq.accepted_per_position)
+        self.verify_steps = seq.verify_steps
+        self.ttft_s = seq.ttft_s()
+        self.tpot_s = seq.tpot_s()
+        self._tokenizer = tokenizer
+        self._text = text
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return self._text
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput({self.request_id!r}, tokens={len(self.token_ids)}, finished={self.finished}, "
+                f"reason={self.finish_reason!r})")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prompt_tokens: int
+    generation_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    verify_steps: int
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+
+def eos_token_ids(model_dir: str, config_eos) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [config_eos]
+    gen = Path(model_dir, "generation_config.json")
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids += [v for v in value if isinstance(v, int)]
+    return tuple(dict.fromkeys(ids))
+
+
+def load_tokenizer(model_dir: str) -> Tokenizer:
+    path = Path(model_dir, "tokenizer.json")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the model directory has no tokenizer.json (needed to encode prompts)")
+    return Tokenizer.from_file(str(path))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = load_tokenizer(config.model)
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(
+            num_blocks=self.runner.num_blocks, block_size=config.block_size,
+            max_seqs_per_batch=config.max_seqs_per_batch, max_tokens_per_batch=config.max_tokens_per_batch,
+            max_model_len=self.max_model_len, num_speculative_tokens=config.num_speculative_tokens,
+            enable_prefix_cache=config.enable_prefix_cache, enable_chunked_prefill=config.enable_chunked_prefill,
+            eos_token_ids=eos_token_ids(config.model, self.runner.model_config.eos_token_id))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, Sequence] = {}  # engine thread only
+        self._pending_ids: set[str] = set()  # ids posted but not yet drained
+        self._num_steps = 0
+        self._totals = {"prompt": 0, "generation": 0}
+
+    # requests (any thread) ------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {request_id!r}: params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+        vocab = self.runner.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"(0..{vocab - 1})")
+        if request_id in self._pending_ids or request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
+        seq = Sequence(request_id, token_ids, params, self.max_model_len)
+        self.scheduler.check(seq)
+        self._pending_ids.add(request_id)
+        self._inbox.put(("add", seq))
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # engine thread -------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or not self._inbox.empty()
+
+    def _drain_inbox(self) -> list[Sequence]:
+        aborted = []
+        while True:
+            try:
+                verb, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return aborted
+            if verb == "add":
+                self._pending_ids.discard(item.request_id)
+                self._requests[item.request_id] = item
+                self.scheduler.add(item)
+                self._totals["prompt"] += item.num_prompt_tokens
+            else:
+                seq = self._requests.pop(item, None)
+                if seq is not None and not seq.is_finished:
+                    self.scheduler.abort(seq)
+                    aborted.append(seq)
+
+    def step(self) -> list[RequestOutput]:
+        aborted = self._drain_inbox()
+        outputs = [RequestOutput(seq, self.tokenizer, []) for seq in aborted]
+        batch = self.scheduler.schedule()
+        if not len(batch):
+            return outputs
+        self._num_steps += 1
+        before = [len(seq) for seq in batch.seqs]
+        new_tokens, accepted = self.runner.execute(batch)
+        self.scheduler.update(batch, new_tokens, accepted, time.perf_counter())
+        for seq, n_before, sampled in zip(batch.seqs, before, new_tokens):
+            if not sampled:
+                continue
+            added = seq.token_ids[n_before:]
+            self._totals["generation"] += len(added)
+            text = self._check_stop_strings(seq) if seq.params.stop else None
+            outputs.append(RequestOutput(seq, self.tokenizer, added, text))
+            if seq.is_finished:
+                self._requests.pop(seq.request_id, None)
+        return outputs
+
+    def _check_stop_strings(self, seq: Sequence) -> str:
+        """Finish `seq` with reason "stop" when its text contains a stop string; returns the text to report."""
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        if not hits:
+            return text
+        if seq.is_finished:
+            seq.finish_reason = "stop"  # the stop string wins over a length/eos finish in the same step
+        else:
+            self.scheduler.finish(seq, "stop")
+        return text[:min(hits)]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.scheduler.block_manager.usage(), num_kv_blocks=self.runner.num_blocks,
+            prompt_tokens=self._totals["prompt"], generation_tokens=self._totals["generation"],
+            draft_tokens=self.scheduler.draft_tokens, accepted_tokens=self.scheduler.accepted_tokens,
+            verify_steps=self.scheduler.verify_steps,
+            accepted_per_position=list(self.scheduler.accepted_per_position),
+            num_steps=self._num_steps, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.scheduler.block_manager.num_hit_tokens)

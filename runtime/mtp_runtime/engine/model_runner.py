@@ -1,0 +1,248 @@
+"""ModelRunner: owns the models and their paged caches, and runs one scheduled step.
+
+One step = ONE main forward over the flattened batch (prefill chunks and the
+k+1 verify positions of every decoding sequence), acceptance, then the MTP
+draft: one forward over every position the step made final (fed the verify
+pass's hidden states), and k-1 single-token forwards that reuse the draft's
+own hidden state. Rejected positions need no cleanup: their cache slots lie
+past the sequence's cached length and are overwritten before anything reads
+them (see runtime/README.md, "Speculative step").
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from mtp_runtime.engine.config import EngineConfig
+from mtp_runtime.engine.sampler import RowParams, probabilities, sample_from, speculative_verify, uniform_rows
+from mtp_runtime.engine.scheduler import ScheduledBatch
+from mtp_runtime.engine.sequence import Sequence
+from mtp_runtime.layers.attention import AttentionMetadata
+from mtp_runtime.models.loader import load_draft, load_model
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_bytes_per_block(spec: list[dict[str, tuple[int, ...]]], block_size: int, dtype: torch.dtype) -> int:
+    elems = sum(_numel(shape) for layer in spec for shape in layer.values())
+    return elems * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def allocate_caches(spec, num_blocks: int, block_size: int, dtype, device) -> list[dict[str, torch.Tensor]]:
+    return [{name: torch.zeros(num_blocks, block_size, *shape, dtype=dtype, device=device)
+             for name, shape in layer.items()} for layer in spec]
+
+
+def free_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    if device.startswith("npu"):
+        return torch.npu.mem_get_info(torch.device(device))[0]  # provided by torch_npu
+    return psutil.virtual_memory().available
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.k = config.num_speculative_tokens
+        self.main = load_model(config.model, self.dtype, config.device)
+        self.draft = None
+        if self.k:
+            self.draft = load_draft(config.draft_model or config.model, main=self.main, dtype=self.dtype,
+                                    device=config.device)
+        self.model_config = self.main.config
+        self.vocab_size = self.model_config.vocab_size
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.block_size = config.block_size
+        main_spec = self.main.kv_cache_spec()
+        draft_spec = self.draft.kv_cache_spec() if self.draft is not None else []
+        self.main_block_bytes = cache_bytes_per_block(main_spec, self.block_size, self.dtype)
+        self.draft_block_bytes = cache_bytes_per_block(draft_spec, self.block_size, self.dtype)
+        self.num_blocks = config.kv_block_count(self.main_block_bytes + self.draft_block_bytes,
+                                                free_memory_bytes(config.device), self.max_model_len)
+        self.main_caches = allocate_caches(main_spec, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.draft_caches = allocate_caches(draft_spec, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    # helpers ------------------------------------------------------------------
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return seq.generator
+
+    # the step -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
+        """Run one step; returns per sequence the tokens to append and the drafts accepted,
+        and leaves each sampled sequence's next drafts in seq.draft_token_ids."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        context_lens = []
+        for seq, chunk, nd in zip(batch.seqs, batch.num_chunk_tokens, batch.num_draft_tokens):
+            start = seq.num_cached_tokens
+            end = start + chunk + nd
+            ids += seq.token_ids[start:start + chunk]
+            if nd:
+                ids += seq.draft_token_ids
+            positions += range(start, end)
+            slots += self._slots(seq.block_table, start, end)
+            qsl.append(qsl[-1] + chunk + nd)
+            context_lens.append(end)
+        tables = [seq.block_table for seq in batch.seqs]
+        meta = AttentionMetadata(qsl, context_lens, tables, self._tensor(slots), self.block_size)
+        hidden = self.main(self._tensor(ids), self._tensor(positions), self.main_caches, meta)  # [T, H]
+
+        new_tokens, accepted = self._sample(batch, hidden, qsl)
+        if self.draft is not None:
+            self._propose(batch, hidden, qsl, slots, new_tokens, accepted)
+        return new_tokens, accepted
+
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor, qsl: list[int]):
+        rows: list[int] = []
+        first_row: dict[int, int] = {}  # batch index -> its first row in `logits`
+        for i, (nd, samples) in enumerate(zip(batch.num_draft_tokens, batch.samples)):
+            if samples:
+                first_row[i] = len(rows)
+                rows += range(qsl[i + 1] - 1 - nd, qsl[i + 1])
+        new_tokens: list[list[int]] = [[] for _ in batch.seqs]
+        accepted = [0] * len(batch.seqs)
+        if not rows:
+            return new_tokens, accepted
+        logits = self.main.compute_logits(hidden[self._tensor(rows)])  # [N, V] float32
+        argmax = logits.argmax(-1).tolist()
+        sampled = []
+        for i, r in first_row.items():
+            seq, nd = batch.seqs[i], batch.num_draft_tokens[i]
+            if not seq.params.greedy:
+                sampled.append(i)
+                continue
+            a = 0  # greedy: accept drafts while they equal the target's argmax
+            while a < nd and seq.draft_token_ids[a] == argmax[r + a]:
+                a += 1
+            accepted[i] = a
+            new_tokens[i] = argmax[r:r + a + 1]
+        if sampled:
+            self._sample_random(batch, logits, first_row, sampled, new_tokens, accepted)
+        return new_tokens, accepted
+
+    def _sample_random(self, batch, logits, first_row, sampled, new_tokens, accepted) -> None:
+        verify = [i for i in sampled if batch.num_draft_tokens[i]]
+        plain = [i for i in sampled if not batch.num_draft_tokens[i]]
+        vocab = self.vocab_size
+        if verify:
+            k = self.k
+            seqs = [batch.seqs[i] for i in verify]
+            rows = self._tensor([first_row[i] + j for i in verify for j in range(k + 1)])
+            target = probabilities(logits[rows].view(len(verify), k + 1, vocab),
+                                   RowParams.build([s.params for s in seqs], vocab, self.device))
+            draft_probs = torch.stack([s.draft_probs for s in seqs])  # [B, k, V]
+            drafts = self._tensor([s.draft_token_ids for s in seqs])  # [B, k]
+            u = uniform_rows([self._generator(s) for s in seqs], k + vocab, self.device, self.generator)
+            num_acc, next_tok = speculative_verify(target, draft_probs, drafts, u[:, :k], u[:, k:])
+            for i, s, a, t in zip(verify, seqs, num_acc.tolist(), next_tok.tolist()):
+                accepted[i] = a
+                new_tokens[i] = s.draft_token_ids[:a] + [t]
+        if plain:
+            seqs = [batch.seqs[i] for i in plain]
+            probs = probabilities(logits[self._tensor([first_row[i] for i in plain])],
+                                  RowParams.build([s.params for s in seqs], vocab, self.device))
+            u = uniform_rows([self._generator(s) for s in seqs], vocab, self.device, self.generator)
+            for i, t in zip(plain, sample_from(probs, u).tolist()):
+                new_tokens[i] = [t]
+
+    def _propose(self, batch: ScheduledBatch, hidden: torch.Tensor, qsl: list[int], slots: list[int],
+                 new_tokens: list[list[int]], accepted: list[int]) -> None:
+        """MTP drafting: one forward over the positions this step made final, then k-1 chained steps."""
+        ids: list[int] = []
+        rows: list[int] = []
+        d_slots: list[int] = []
+        d_qsl = [0]
+        d_context = []
+        last_rows, next_pos, samplers = [], [], []
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.num_chunk_tokens)):
+            start = seq.num_cached_tokens
+            n = chunk + accepted[i]  # positions start .. start+n-1 are final now
+            # The draft at position p reads the main hidden at p and the token at p+1.
+            following = seq.token_ids[start + 1:start + 1 + n]
+            if len(following) < n:
+                following = following + new_tokens[i][:n - len(following)]
+            ids += following
+            rows += range(qsl[i], qsl[i] + n)
+            d_slots += slots[qsl[i]:qsl[i] + n]
+            d_qsl.append(d_qsl[-1] + n)
+            d_context.append(start + n)
+            if batch.samples[i]:
+                last_rows.append(d_qsl[-1] - 1)
+                next_pos.append(start + n)
+                samplers.append(seq)
+        tables = [seq.block_table for seq in batch.seqs]
+        meta = AttentionMetadata(d_qsl, d_context, tables, self._tensor(d_slots), self.block_size)
+        out = self.draft(self._tensor(ids), hidden[self._tensor(rows)], self._tensor(rows_positions(meta)),
+                         self.draft_caches, meta)
+        if not samplers:
+            return
+        h = out[self._tensor(last_rows)]  # [B, H] draft hidden at each sampling sequence's last final position
+        drafts, probs = [], []
+        tok = self._draft_token(samplers, h, probs)
+        drafts.append(tok)
+        tables = [s.block_table for s in samplers]
+        for j in range(1, self.k):
+            pos = [p + j - 1 for p in next_pos]
+            meta = AttentionMetadata(list(range(len(samplers) + 1)), [p + 1 for p in pos], tables,
+                                     self._tensor([t[p // self.block_size] * self.block_size + p % self.block_size
+                                                   for t, p in zip(tables, pos)]), self.block_size)
+            h = self.draft(tok, h, self._tensor(pos), self.draft_caches, meta)
+            tok = self._draft_token(samplers, h, probs)
+            drafts.append(tok)
+        for seq, row in zip(samplers, torch.stack(drafts, dim=1).tolist()):
+            seq.draft_token_ids = row
+        if probs:
+            stacked = torch.stack(probs, dim=1)  # [B, k, V]; rows of greedy sequences are unused
+            for b, seq in enumerate(samplers):
+                seq.draft_probs = None if seq.params.greedy else stacked[b]
+
+    def _draft_token(self, seqs: list[Sequence], h: torch.Tensor, probs: list[torch.Tensor]) -> torch.Tensor:
+        """Next draft token per sequence [B]: the argmax, or a draw from the draft's distribution q
+        (kept in `probs` for speculative sampling) for sequences that sample."""
+        logits = self.draft.compute_logits(h)  # [B, V]
+        tokens = logits.argmax(-1)
+        random_rows = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            q = probabilities(logits, RowParams.build([s.params for s in seqs], self.vocab_size, self.device))
+            u = uniform_rows([self._generator(seqs[b]) for b in random_rows], self.vocab_size, self.device,
+                             self.generator)
+            tokens[random_rows] = sample_from(q[random_rows], u)
+            probs.append(q)
+        return tokens
+
+
+def rows_positions(meta: AttentionMetadata) -> list[int]:
+    """Positions of the new tokens of a flattened batch, in order."""
+    positions: list[int] = []
+    for i, ctx in enumerate(meta.context_lens):
+        n = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+        positions += range(ctx - n, ctx)
+    return positions
