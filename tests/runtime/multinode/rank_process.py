@@ -106,7 +106,7 @@ def run_plans(rank: int, count: int = 20) -> int:
         plan = None
         if rank == 0:
             plan = random_plan(rng, target=rng.randint(0, 1)) if i < count else StepPlan(kind=STOP)
-        plan = broadcast_plan(plan)
+        plan, _ = broadcast_plan(plan)
         print(f"PLAN {hashlib.sha256(plan.encode().numpy().tobytes()).hexdigest()[:16]}", flush=True)
     return 0 if plan.kind == STOP else 1
 
