@@ -22,7 +22,7 @@ import kopf
 
 from mtp_operator import constants as c
 from mtp_operator.indexing import job_summary, owner_key, pod_summary, statefulset_summary
-from mtp_operator.kube import KubeApi, load_api_client
+from mtp_operator.kube import KubeApi, load_api_client, load_configuration
 from mtp_operator.metrics import MetricsFormatError, interval_stats, read_counters
 from mtp_operator.plan import kubernetes_master_host, plan_deployment
 from mtp_operator.probes import fetch_metrics
@@ -34,6 +34,7 @@ from mtp_operator.status import status_changes, utc_now
 log = logging.getLogger(__name__)
 OURS = {c.LABEL_MANAGED_BY: c.MANAGED_BY_VALUE}
 RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
+RETRY_BACKOFF = 5.0  # seconds before a failed handler (e.g. an API error) runs again
 
 
 def build_registry(settings: OperatorSettings,
@@ -53,22 +54,27 @@ def build_registry(settings: OperatorSettings,
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.KOPF_ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=c.KOPF_ANNOTATION_PREFIX)
         settings.posting.level = logging.WARNING
+        # Watch exactly the namespaces we are given and the CRD installed before us: no cluster-wide
+        # namespace/CRD watching, so a namespaced Role is enough RBAC.
+        settings.scanning.disabled = True
         state["kube"] = KubeApi(api_client_factory())
 
-    # The same credentials for kopf's watches and for kube.py's client.
-    kopf.on.login(registry=registry)(kopf.login_via_client)
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # The same credentials for kopf's watches and for kube.py's client.
+        return connection_info(load_configuration())
 
-    @kopf.index("batch", "v1", "jobs", labels=OURS, registry=registry)
+    @kopf.index("batch", "v1", "jobs", id="mtp_jobs", labels=OURS, registry=registry)
     def mtp_jobs(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         return {key: job_summary(body)} if key else {}
 
-    @kopf.index("", "v1", "pods", labels=OURS, registry=registry)
+    @kopf.index("", "v1", "pods", id="mtp_pods", labels=OURS, registry=registry)
     def mtp_pods(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         return {key: pod_summary(body)} if key else {}
 
-    @kopf.index("apps", "v1", "statefulsets", labels=OURS, registry=registry)
+    @kopf.index("apps", "v1", "statefulsets", id="mtp_statefulsets", labels=OURS, registry=registry)
     def mtp_statefulsets(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         return {key: statefulset_summary(body)} if key else {}
@@ -89,29 +95,40 @@ def build_registry(settings: OperatorSettings,
         for event_type, reason, message in outcome.events + ([change] if change else []):
             state["kube"].post_event(body, reason, message, event_type)
 
-    @kopf.on.create(*RESOURCE, registry=registry)
+    @kopf.on.create(*RESOURCE, id="created", backoff=RETRY_BACKOFF, registry=registry)
     def created(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
         run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
 
-    @kopf.on.update(*RESOURCE, registry=registry)
+    @kopf.on.update(*RESOURCE, id="updated", backoff=RETRY_BACKOFF, registry=registry)
     def updated(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
         run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
 
-    @kopf.on.resume(*RESOURCE, registry=registry)
+    @kopf.on.resume(*RESOURCE, id="resumed", backoff=RETRY_BACKOFF, registry=registry)
     def resumed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
         run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
 
-    @kopf.timer(*RESOURCE, interval=settings.reconcile_interval, registry=registry)
+    @kopf.timer(*RESOURCE, id="level", interval=settings.reconcile_interval, backoff=RETRY_BACKOFF,
+                registry=registry)
     def level(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
         run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
 
-    @kopf.timer(*RESOURCE, interval=settings.metrics_interval, initial_delay=settings.metrics_interval,
-                registry=registry)
+    @kopf.timer(*RESOURCE, id="scrape", interval=settings.metrics_interval, initial_delay=settings.metrics_interval,
+                backoff=RETRY_BACKOFF, registry=registry)
     def scrape(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
         if scrape_rank0(body, memo, kw["mtp_pods"], settings):
             run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
 
     return registry
+
+
+def connection_info(cfg: Any) -> kopf.ConnectionInfo:
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0] if parts else None)
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl, username=cfg.username or None,
+        password=cfg.password or None, scheme=scheme, token=token, certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file)
 
 
 def scrape_rank0(body: kopf.Body, memo: kopf.Memo, pods: kopf.Index, settings: OperatorSettings) -> bool:

@@ -15,14 +15,17 @@ kopf's own needs (not calls in this file, but the same RBAC):
     mtpdeployments.mtp.inference.dev       list, watch, patch (annotations: progress, last-handled spec)
     mtpdeployments/status                  patch (kopf writes `status` from handler patches)
     jobs.batch, pods, statefulsets.apps    list, watch (kopf indices feed the reconcile)
-    customresourcedefinitions.apiextensions.k8s.io   list, watch (resource discovery)
-    namespaces                             list, watch (only with --all-namespaces)
     events                                 create (kopf's own error events)
+    API discovery (GET /api, /apis/...)    non-resource URLs, granted to every user by default
+kopf's namespace and CRD scanning is disabled (handlers.py), so it needs no
+namespaces or customresourcedefinitions permissions; the CRD must exist
+before the operator starts (the Helm chart installs it first).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
@@ -35,14 +38,20 @@ log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
 
 
-def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
+def load_configuration(kubeconfig: str | None = None) -> client.Configuration:
     """In-cluster service account if present, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
     configuration = client.Configuration()
     try:
         config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    return client.ApiClient(configuration)
+        # Read KUBECONFIG now: the client library reads it once, when first imported.
+        path = kubeconfig or os.environ.get("KUBECONFIG") or None
+        config.load_kube_config(config_file=path, client_configuration=configuration)
+    return configuration
+
+
+def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    return client.ApiClient(load_configuration(kubeconfig))
 
 
 def selector(labels: Mapping[str, str], exclude: Mapping[str, str] | None = None) -> str:
