@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to reach Ready before giving up with exit 1 (default: none; 900 with --once)")
     parser.add_argument("--requests", type=int, default=0,
                         help="once Ready, send N greedy completions to rank 0 and show the acceptance they gave")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per --requests completion (default 32)")
     parser.add_argument("--port", type=int, default=None,
                         help="HTTP port of rank 0; rank r uses PORT+r (default: spec.ports.http if free, else a free one)")
     parser.add_argument("--master-port", type=int, default=None,
@@ -109,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtp up: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
+    if args.requests < 0:
+        return fail(f"--requests must be >= 0, got {args.requests}")
+    if args.max_tokens < 1:
+        return fail(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         resource = load_resource(args.file)
         name = resource["metadata"]["name"]
@@ -124,13 +129,12 @@ def run(args: argparse.Namespace) -> int:
         export, ranks = export_process(plan, paths), rank_processes(plan, paths)
     except (UpInputError, SpecError, LocalPathError, ModelPrepError, PlanError, SettingsError) as exc:
         return fail(f"{args.file}: {exc}" if not str(exc).startswith(str(args.file)) else str(exc))
-    if args.requests < 0:
-        return fail(f"--requests must be >= 0, got {args.requests}")
 
     log_dir = args.log_dir or Path(tempfile.gettempdir()) / "mtp-up" / name
     options = UpOptions(
         log_dir=log_dir, once=args.once, timeout=args.timeout if args.timeout or not args.once else 900.0,
-        requests=args.requests, metrics_interval=args.metrics_interval, status_file=args.status_file,
+        requests=args.requests, max_tokens=args.max_tokens, metrics_interval=args.metrics_interval,
+        status_file=args.status_file,
         restart_budget=settings.gang_restart_budget if args.restart_budget is None else args.restart_budget,
         restart_backoff=settings.gang_restart_backoff if args.restart_backoff is None else args.restart_backoff,
         generation=int(resource["metadata"].get("generation") or 1),

@@ -41,6 +41,7 @@ class UpOptions:
     once: bool = False  # exit 0 as soon as the group is Ready (after --requests)
     timeout: float | None = None  # seconds to reach Ready, else exit 1
     requests: int = 0  # smoke completions sent once Ready
+    max_tokens: int = 32  # per smoke completion
     poll_interval: float = 1.0
     metrics_interval: float = 10.0
     restart_budget: int = 3
@@ -198,7 +199,7 @@ class LocalDeployment:
     # ---- the loop
 
     def send_smoke_requests(self) -> None:
-        for done in smoke_requests(self.endpoint, self.options.requests):
+        for done in smoke_requests(self.endpoint, self.options.requests, self.options.max_tokens):
             self.out(f"           completion {done.prompt!r} -> {done.text!r} ({done.completion_tokens} tokens)")
         self.scrape_rank0(time.monotonic(), force=True)
 
@@ -225,7 +226,11 @@ class LocalDeployment:
                     self.out(f"           endpoint {self.endpoint} (OpenAI API: /v1/completions, "
                              "/v1/chat/completions; /health, /metrics)")
                     if self.options.requests:
-                        self.send_smoke_requests()
+                        try:
+                            self.send_smoke_requests()
+                        except (OSError, ValueError, KeyError) as exc:
+                            self.out(f"           completion request to {self.endpoint} failed: {exc}")
+                            return EXIT_FAILED
                         status = self.update_status(self.observations(export, self.rank_observations()))
                     if self.options.once:
                         return EXIT_OK

@@ -1,0 +1,98 @@
+"""The operator's plan, made local: loopback master, free ports, local paths,
+the same interpreter for `mtp` commands."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mtp_operator import constants as c
+from mtp_operator.local.launch import (
+    LOOPBACK,
+    choose_ports,
+    export_process,
+    local_command,
+    plan_local,
+    rank_processes,
+)
+from mtp_operator.local.paths import LocalPaths
+from mtp_operator.plan import PlanError, plan_deployment
+from mtp_operator.spec import parse_spec
+
+REPO = Path(__file__).resolve().parents[3]
+SAMPLE = REPO / "crds" / "samples" / "tiny-cpu.yaml"
+
+
+def sample_spec(**changes):
+    data = yaml.safe_load(SAMPLE.read_text())["spec"]
+    data.update(changes)
+    return parse_spec(data)
+
+
+def test_sample_becomes_export_and_rank_processes(tmp_path):
+    spec = sample_spec()
+    plan = plan_local("tiny-cpu", spec, 18100, 18199)
+    paths = LocalPaths.for_spec(spec, tmp_path)
+    export = export_process(plan, paths)
+    assert export.argv[:4] == [sys.executable, "-m", "mtp_runtime", "export"]
+    assert export.argv[export.argv.index("--input-dir") + 1] == str(tmp_path / "tiny-deepseek-v3")
+    assert export.argv[export.argv.index("--output-dir") + 1] == str(tmp_path / "tiny-deepseek-v3-mtp")
+    (rank0,) = rank_processes(plan, paths)
+    assert rank0.name == "rank-0" and rank0.http_port == 18100
+    assert rank0.argv[:4] == [sys.executable, "-m", "mtp_runtime", "serve"]
+    assert f"--model={tmp_path}/tiny-deepseek-v3" in rank0.argv
+    assert f"--draft_model={tmp_path}/tiny-deepseek-v3-mtp" in rank0.argv
+    assert f"--host={LOOPBACK}" in rank0.argv and "--port=18100" in rank0.argv
+    assert rank0.env[c.ENV_MASTER_ADDR] == f"{LOOPBACK}:18199"
+    assert rank0.env[c.ENV_NODE_RANK] == "0"
+
+
+def test_same_plan_as_the_operator_apart_from_addresses(tmp_path):
+    # The local plan is the operator's plan: same engine argv shape, same
+    # export step, only master host and ports differ.
+    spec = sample_spec(nnodes=2)
+    local = plan_local("tiny-cpu", spec, 18100, 18199)
+    cluster = plan_deployment("tiny-cpu", "default", spec, master_host="tiny-cpu-0.tiny-cpu-ranks.default.svc")
+    assert local.export.argv == cluster.export.argv
+    assert [r.rank for r in local.ranks] == [0, 1]
+    assert [r.http_port for r in local.ranks] == [18100, 18101]
+    assert local.master_address == f"{LOOPBACK}:18199"
+    for mine, theirs in zip(local.ranks, cluster.ranks):
+        strip = lambda argv: [a for a in argv if not a.startswith(("--port=", "--master_node_addr="))]  # noqa: E731
+        assert strip(mine.argv) == strip(theirs.argv)
+    ranks = rank_processes(local, LocalPaths.for_spec(spec, tmp_path))
+    assert "--node_rank=1" in ranks[1].argv and "--nnodes=2" in ranks[1].argv
+    assert f"--master_node_addr={LOOPBACK}:18199" in ranks[1].argv
+
+
+def test_draft_model_given_means_no_export(tmp_path):
+    data = yaml.safe_load(SAMPLE.read_text())["spec"]
+    data.pop("export")
+    data["draftModel"] = {"path": "/models/ready-mtp"}
+    spec = parse_spec(data)
+    plan = plan_local("tiny-cpu", spec, 18100, 18199)
+    assert export_process(plan, LocalPaths.for_spec(spec, tmp_path)) is None
+
+
+def test_ports_from_the_spec_when_free_else_free_ones():
+    spec = sample_spec(nnodes=2)
+    with socket.socket() as busy:
+        busy.bind((LOOPBACK, 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        data = yaml.safe_load(SAMPLE.read_text())["spec"]
+        data.update(nnodes=2, ports={"http": taken, "master": taken + 10})
+        http, master = choose_ports(parse_spec(data), None, None)
+        assert http != taken and master not in (http, http + 1)
+        assert choose_ports(spec, 18500, 18600) == (18500, 18600)
+    with pytest.raises(PlanError, match="collides"):
+        choose_ports(spec, 18500, 18501)
+
+
+def test_foreign_engine_needs_its_command():
+    with pytest.raises(PlanError, match=r"spec\.engine: `xllm-not-installed` is not on PATH"):
+        local_command(["xllm-not-installed", "--model=/m"], "spec.engine")

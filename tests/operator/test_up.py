@@ -1,0 +1,206 @@
+"""`mtp up` end to end on this machine: the tiny CPU sample's model made by
+`mtp make-tiny`, its draft exported by `mtp export`, a real `mtp serve` rank,
+real completions, and the operator's status with acceptance figures; plus
+clean shutdown on SIGTERM, whole-group restarts running out of budget, and
+bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "crds" / "samples" / "tiny-cpu.yaml"
+UP_TIMEOUT = 300
+
+
+def mtp_up(*args: str, timeout: float = UP_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mtp_runtime", "up", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def final_status(stdout: str) -> dict:
+    """The status document `mtp up` prints last."""
+    start = stdout.rindex("name: ")
+    return yaml.safe_load(stdout[start:])["status"]
+
+
+def conditions(status: dict) -> dict[str, dict]:
+    return {cond["type"]: cond for cond in status["conditions"]}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def write_cr(path: Path, spec_changes: dict, annotations: dict | None = None) -> Path:
+    resource = yaml.safe_load(SAMPLE.read_text())
+    resource["spec"].update(spec_changes)
+    if annotations is not None:
+        resource["metadata"]["annotations"] = annotations
+    path.write_text(yaml.safe_dump(resource))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    """The sample's model, made once through `mtp up --make-model-only`."""
+    models = tmp_path_factory.mktemp("models")
+    done = mtp_up(str(SAMPLE), "--models-dir", str(models), "--make-model-only")
+    assert done.returncode == 0, done.stderr
+    assert (models / "tiny-deepseek-v3" / "config.json").is_file()
+    assert "making the model: mtp make-tiny --arch deepseek_v3" in done.stdout
+    return models
+
+
+@pytest.mark.slow
+def test_up_once_serves_completions_and_reports_acceptance(models_dir, tmp_path):
+    status_file = tmp_path / "status.json"
+    done = mtp_up(str(SAMPLE), "--models-dir", str(models_dir), "--once", "--requests", "2", "--max-tokens", "6",
+                  "--timeout", "240", "--log-dir", str(tmp_path / "logs"), "--status-file", str(status_file))
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    # The export step ran (the draft now exists with its manifest written last).
+    assert (models_dir / "tiny-deepseek-v3-mtp" / "mtp-export.json").is_file()
+    assert "Exporting" in out and "Starting" in out
+    assert out.count("completion 'def main(' ->") == 1
+    status = final_status(out)
+    assert status == json.loads(status_file.read_text())["status"]
+    conds = conditions(status)
+    assert conds["DraftReady"]["status"] == "True" and conds["DraftReady"]["reason"] == "ExportSucceeded"
+    assert conds["Ready"]["status"] == "True"
+    assert status["readyNodes"] == 1 and status["nodes"] == "1/1"
+    assert status["endpoint"].startswith("http://127.0.0.1:")
+    assert status["draftModelPath"] == "/models/tiny-deepseek-v3-mtp"
+    # Acceptance from rank 0's own /metrics after the requests (k = 1).
+    spec = status["speculative"]
+    assert spec["draftTokens"] > 0
+    assert 0.0 <= spec["acceptanceRate"] <= 1.0
+    assert spec["perPositionAcceptance"] and len(spec["perPositionAcceptance"]) == 1
+    assert "acceptance rate" in out
+    low = spec["acceptanceRate"] < 0.05  # the sample's minAcceptanceRate
+    assert status["phase"] == ("Degraded" if low else "Running")
+    assert (conds["Degraded"]["reason"] == "LowAcceptance") == low
+    # Every rank was stopped on the way out.
+    assert "stopped rank-0" in out
+    rank_pid = int(status["gang"]["members"]["0"].split("/")[0])
+    assert not pid_alive(rank_pid)
+
+    # A second run finds the draft up to date and does not rewrite it.
+    manifest = models_dir / "tiny-deepseek-v3-mtp" / "mtp-export.json"
+    before = manifest.stat().st_mtime_ns
+    again = mtp_up(str(SAMPLE), "--models-dir", str(models_dir), "--once", "--timeout", "240",
+                   "--log-dir", str(tmp_path / "logs2"))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "up to date" in again.stdout
+    assert manifest.stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_cleanly(models_dir, tmp_path):
+    status_file = tmp_path / "status.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtp_runtime", "up", str(SAMPLE), "--models-dir", str(models_dir),
+         "--log-dir", str(tmp_path / "logs"), "--status-file", str(status_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        status = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            if status_file.exists():
+                status = json.loads(status_file.read_text())["status"]
+                if status.get("phase") in ("Running", "Degraded"):
+                    break
+            time.sleep(0.5)
+        assert status.get("phase") in ("Running", "Degraded"), f"never Ready: {status}"
+        rank_pid = int(status["gang"]["members"]["0"].split("/")[0])
+        assert pid_alive(rank_pid)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out + err
+    assert "stopped rank-0" in out
+    assert not pid_alive(rank_pid)
+
+
+def test_crashing_ranks_restart_the_group_until_the_budget_is_spent(tmp_path):
+    # The draft named by the spec is not a model: every rank exits at start.
+    models = tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    (models / "m" / "config.json").write_text("{}")
+    (models / "not-a-draft").mkdir()
+    cr = write_cr(tmp_path / "cr.yaml", {
+        "model": {"path": "/models/m", "mountPath": "/models", "volume": {"hostPath": "/unused"}},
+        "export": None, "draftModel": {"path": "/models/not-a-draft"},
+    })
+    raw = yaml.safe_load(cr.read_text())
+    del raw["spec"]["export"]
+    cr.write_text(yaml.safe_dump(raw))
+    done = mtp_up(str(cr), "--models-dir", str(models), "--once", "--timeout", "120",
+                  "--restart-budget", "2", "--restart-backoff", "0.1", "--log-dir", str(tmp_path / "logs"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    assert out.count("rank-0 exited with code") == 3  # first start + 2 restarts
+    assert "restarting the whole group in 0s (1/2)" in out and "(2/2)" in out
+    status = final_status(out)
+    assert status["phase"] == "Failed"
+    assert status["gang"]["reason"] == "GangRestartBudgetExhausted" and status["gang"]["restarts"] == 2
+    assert conditions(status)["Ready"]["reason"] == "GangRestartBudgetExhausted"
+    assert "--draft_model" in out  # the rank's own error, from its log
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"nnodes": 0}, "spec.nnodes"),
+        ({"engine": "tgi"}, "spec.engine"),
+        ({"model": {"path": "/models/x; rm -rf /", "volume": {"hostPath": "/tmp"}}}, "spec.model.path"),
+        ({"model": {"path": "/models/m", "volume": {"claimName": "weights"}}}, "spec.model.volume.claimName"),
+    ],
+    ids=["nnodes", "engine", "shell-path", "claim-without-models-dir"],
+)
+def test_bad_spec_is_refused_naming_the_field(tmp_path, change, message):
+    cr = write_cr(tmp_path / "cr.yaml", change)
+    done = mtp_up(str(cr), "--once", timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr and str(cr) in done.stderr
+    assert done.stdout == ""
+
+
+def test_bad_files_are_refused(tmp_path):
+    missing = mtp_up(str(tmp_path / "absent.yaml"), timeout=60)
+    assert missing.returncode == 2 and "absent.yaml" in missing.stderr
+    wrong_kind = tmp_path / "pod.yaml"
+    wrong_kind.write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n")
+    done = mtp_up(str(wrong_kind), timeout=60)
+    assert done.returncode == 2 and "expected exactly one MtpDeployment" in done.stderr
+    bad_name = write_cr(tmp_path / "name.yaml", {})
+    raw = yaml.safe_load(bad_name.read_text())
+    raw["metadata"]["name"] = "Tiny_CPU"
+    bad_name.write_text(yaml.safe_dump(raw))
+    done = mtp_up(str(bad_name), timeout=60)
+    assert done.returncode == 2 and "metadata.name" in done.stderr
+
+
+def test_missing_model_without_annotation_is_explained(tmp_path):
+    cr = write_cr(tmp_path / "cr.yaml", {}, annotations={})
+    done = mtp_up(str(cr), "--models-dir", str(tmp_path / "empty"), "--once", timeout=60)
+    assert done.returncode == 2
+    assert "spec.model.path: no model at" in done.stderr and "mtp.inference.dev/make-tiny" in done.stderr
