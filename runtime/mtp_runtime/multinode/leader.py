@@ -30,6 +30,21 @@ from mtp_runtime.multinode.step_plan import (
 )
 
 
+class TrackedOutput(torch.Tensor):
+    """A main/draft output as rank 0's engine sees it: indexing it with a row
+    tensor (`hidden[rows]`, a copy) returns a plain tensor that remembers which
+    rows of which output it holds, so the workers can take those rows from
+    their own copy instead of receiving them. Other ops give plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        out = super().__getitem__(index).as_subclass(torch.Tensor)
+        if isinstance(index, torch.Tensor) and index.dim() == 1 and index.dtype == torch.long and out.dim() == 2:
+            out._mtp_rows = (self._mtp_target, index.tolist())
+        return out
+
+
 class LockstepLeader:
     """What rank 0 shares between its main-model and draft wrappers."""
 
@@ -48,9 +63,15 @@ class LockstepLeader:
         self.send(StepPlan(kind=STOP))
 
     def hidden_source(self, hidden: torch.Tensor) -> tuple[int, list[int]]:
-        """(source, rows) when `hidden` is a row range of the last main/draft output, so the
-        workers can take it from their own copy; else (HIDDEN_SENT, [])."""
-        for target, source in ((MAIN, HIDDEN_FROM_MAIN), (DRAFT, HIDDEN_FROM_DRAFT)):
+        """(source, rows) when `hidden` holds rows of the last main/draft output, so the
+        workers can take them from their own copy; else (HIDDEN_SENT, [])."""
+        sources = {MAIN: HIDDEN_FROM_MAIN, DRAFT: HIDDEN_FROM_DRAFT}
+        tracked = getattr(hidden, "_mtp_rows", None)
+        if tracked is not None and self.last_output[tracked[0]] is not None:
+            target, rows = tracked
+            if rows and max(rows) < self.last_output[target].shape[0] and min(rows) >= 0:
+                return sources[target], rows
+        for target, source in sources.items():
             rows = _row_range_of(hidden, self.last_output[target])
             if rows is not None:
                 return source, rows
@@ -100,7 +121,8 @@ class BroadcastingModule:
         self._sync_caches(caches)
         fields, sent = self._hidden_fields(hidden) if hidden is not None else ({}, None)
         self._leader.send(_forward_plan(self._target, input_ids, positions, meta, **fields), sent)
-        out = self._module(*args, **kwargs)
+        out = self._module(*args, **kwargs).as_subclass(TrackedOutput)
+        out._mtp_target = self._target
         self._leader.last_output[self._target] = out
         return out
 

@@ -97,6 +97,11 @@ class Heartbeat:
             pending = [k for k in pending if not self.store.check([k])]
             time.sleep(0.05)
 
+    def leave(self) -> None:
+        """A worker that rank 0 stopped: say so, since rank 0 waits for it in announce_shutdown."""
+        self.stop()
+        self.store.set(f"{LEFT_KEY}/{self.rank}", "1")
+
     def on_collective_error(self, exc: BaseException) -> None:
         """A collective raised (usually a peer closed its socket): let the
         heartbeat name the lost rank, else fail with the collective's error."""

@@ -19,9 +19,11 @@ FAILED = "failed"
 STATES = (WAITING_FOR_MASTER, LOADING, READY, FAILED)
 
 # Allowed moves; failed is terminal so a late "ready" cannot hide a failure.
+# loading -> waiting_for_master: the server marks "loading" when its engine
+# thread starts, and that thread then joins the group before reading weights.
 _NEXT = {
     WAITING_FOR_MASTER: {WAITING_FOR_MASTER, LOADING, FAILED},
-    LOADING: {LOADING, READY, FAILED},
+    LOADING: {LOADING, WAITING_FOR_MASTER, READY, FAILED},
     READY: {READY, FAILED},
     FAILED: {FAILED},
 }

@@ -60,7 +60,8 @@ def greedy_mtp_generate(model, draft, prompt: list[int], k: int, max_new: int) -
             ids = torch.tensor(tokens if step == 0 else drafts[-1:])
             pos = torch.arange(start, start + n)
             out = draft(ids, hidden if step == 0 else out[-1:], pos, draft_caches, meta(start, n))
-            drafts.append(int(draft.compute_logits(out[-1:]).argmax(-1)))
+            last = out[torch.tensor([out.shape[0] - 1])] if step == 0 else out[-1:]  # traced rows, a view
+            drafts.append(int(draft.compute_logits(last).argmax(-1)))
             start += n
         return drafts
 
@@ -72,8 +73,8 @@ def greedy_mtp_generate(model, draft, prompt: list[int], k: int, max_new: int) -
     while len(tokens) - len(prompt) < max_new:
         n = len(tokens) - 1  # position of the last accepted token
         hidden = run_main([tokens[-1]] + drafts, n)
-        # Rows picked by index (a copy) so rank 0 has to send them: exercises that path too.
-        picks = model.compute_logits(hidden[torch.arange(hidden.shape[0])]).argmax(-1).tolist()
+        # index_select copies rows the wrappers cannot trace, so rank 0 sends them: that path too.
+        picks = model.compute_logits(hidden.index_select(0, torch.arange(hidden.shape[0]))).argmax(-1).tolist()
         a = 0
         while a < k and drafts[a] == picks[a]:
             a += 1
