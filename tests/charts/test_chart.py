@@ -129,9 +129,7 @@ def test_validation_catches_a_bad_object(chart):
 def test_default_objects(chart):
     objects = chart.template()
     kinds = sorted(obj["kind"] for obj in objects)
-    assert kinds == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterRole", "ClusterRoleBinding", "Deployment"]
-    )
+    assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"])
     assert not chart.by_kind(objects, "ServiceMonitor")
 
 

@@ -43,16 +43,28 @@ VERB_PREFIXES = [  # longest first: delete_collection before delete
 CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
 
 # kopf's own needs that no decorator in our code spells out. Peering is off
-# (standalone: one replica), so no kopfpeerings; namespaces are not listed
-# in cluster-wide mode, and in single-namespace mode kopf falls back to the
-# one namespace it was given when it may not list them.
+# (standalone: one replica), so no kopfpeerings.
 KOPF_FRAMEWORK: set[Permission] = {
     (c.GROUP, c.PLURAL, "patch"),  # progress annotations, finalizers
     (c.GROUP, f"{c.PLURAL}/status", "patch"),  # status subresource
     ("", "events", "create"),  # kopf's handler error/success events
-    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),  # resource discovery at run time
+}
+# With scanning on, kopf also watches CRDs (resource discovery at run time)
+# and, in single-namespace mode, lists namespaces (falling back to the given
+# one when forbidden).
+KOPF_SCANNING: set[Permission] = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
 }
+
+
+def kopf_scanning_disabled(source: str) -> bool:
+    """Whether the code sets `settings.scanning.disabled = True`."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value is True:
+            if any(ast.unparse(t).endswith("scanning.disabled") for t in node.targets):
+                return True
+    return False
 
 
 def client_api_classes(tree: ast.AST) -> dict[str, str]:
@@ -138,10 +150,13 @@ def required_permissions() -> frozenset[Permission]:
     import mtp_operator.handlers as handlers
 
     constants = {name: value for name, value in vars(handlers).items() if name.isupper()}
+    scanning = True
     for path in OPERATOR.rglob("*.py"):
-        for group, plural in kopf_watched(path.read_text(), constants):
+        source = path.read_text()
+        for group, plural in kopf_watched(source, constants):
             needed |= {(group, plural, "list"), (group, plural, "watch")}
-    return frozenset(needed | KOPF_FRAMEWORK)
+        scanning = scanning and not kopf_scanning_disabled(source)
+    return frozenset(needed | KOPF_FRAMEWORK | (KOPF_SCANNING if scanning else set()))
 
 
 def granted(objects: list[dict], kind: str, service_account: str) -> set[Permission]:
@@ -181,6 +196,8 @@ def test_kopf_decorators_are_parsed():
     )
     assert kopf_watched(source, {"R": ("mtp.inference.dev", "v1alpha1", "mtpdeployments")}) == {
         ("batch", "jobs"), ("mtp.inference.dev", "mtpdeployments")}
+    assert not kopf_scanning_disabled(source)
+    assert kopf_scanning_disabled("def f(settings):\n    settings.scanning.disabled = True\n")
 
 
 @pytest.mark.parametrize("cluster_wide", [True, False], ids=["cluster-wide", "namespace"])
