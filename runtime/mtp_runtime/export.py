@@ -164,12 +164,12 @@ def _check_existing_output(output_dir: Path, fingerprint: str, force: bool) -> b
     if manifest is None:
         raise ExportError(EXIT_OUTPUT_CONFLICT, f"{output_dir}: holds files that mtp export did not write "
                           f"(no {MANIFEST_FILE}); choose an empty or new --output-dir")
+    if force:  # re-export even an up-to-date one; only an earlier export is ever replaced
+        return False
     if is_up_to_date(output_dir, manifest, fingerprint):
         return True
-    if not force:
-        raise ExportError(EXIT_OUTPUT_CONFLICT, f"{output_dir}: holds an export of a different checkpoint or with "
-                          "different options (or damaged files); pass --force to replace it")
-    return False
+    raise ExportError(EXIT_OUTPUT_CONFLICT, f"{output_dir}: holds an export of a different checkpoint or with "
+                      "different options (or damaged files); pass --force to replace it")
 
 
 def plan_entries(index: CheckpointIndex, arch: str, keep_fp8: bool) -> list[_Entry]:
