@@ -125,3 +125,13 @@ def test_model_type_override(sources, tmp_path):
     shutil.copytree(sources["deepseek_v32"], copy)
     assert export_mtp(copy, tmp_path / "d1").model_type == "deepseek_v32_mtp"
     assert export_mtp(copy, tmp_path / "d2", model_type="deepseek_v3").model_type == "deepseek_v3_mtp"
+
+
+def test_two_mtp_layers(tmp_path):
+    src = make(tmp_path, "glm2", "--arch", "glm4_moe", "--num-nextn-predict-layers", "2", "--num-hidden-layers", "2")
+    export_mtp(src, tmp_path / "draft")
+    out = CheckpointIndex(tmp_path / "draft")
+    assert out.config["num_hidden_layers"] == 2 and out.config["num_nextn_predict_layers"] == 2
+    assert "model.enorm.weight" in out.names() and "model.layers.1.enorm.weight" in out.names()
+    assert "model.layers.1.mlp.experts.0.up_proj.weight" in out.names()
+    assert torch.equal(out.read("model.layers.1.eh_proj.weight"), CheckpointIndex(src).read("model.layers.3.eh_proj.weight"))

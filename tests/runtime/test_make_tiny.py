@@ -78,3 +78,9 @@ def test_cli_errors(tmp_path, capsys):
     assert cli.main(["make-tiny", "--arch", "glm4_moe", "--out", str(tmp_path / "b")]) == 1
     assert "is not empty" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+def test_same_seed_gives_identical_files(tiny_dirs, tmp_path):
+    assert cli.main(["make-tiny", "--arch", "glm4_moe", "--out", str(tmp_path / "again"), "--shards", "3", "--seed", "7"]) == 0
+    for path in (tiny_dirs / "glm4_moe").iterdir():
+        assert (tmp_path / "again" / path.name).read_bytes() == path.read_bytes(), path.name

@@ -88,9 +88,9 @@ class CheckpointIndex:
             raise CorruptFileError(f"{path}: index lists tensor {name!r} in this shard but the shard lacks it")
         return header[name]
 
-    def read(self, name: str) -> torch.Tensor:
-        """Read one tensor from its shard without loading the rest of the shard."""
-        return read_tensor(self.shard_path(name), name, self.info(name))
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Read one tensor (or only `rows` of its first dimension) without loading the rest of the shard."""
+        return read_tensor(self.shard_path(name), name, self.info(name), rows)
 
     def shard_files(self) -> list[str]:
         return sorted(set(self.weight_map.values()))

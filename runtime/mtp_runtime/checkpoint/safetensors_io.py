@@ -121,12 +121,20 @@ def _tensor_info(path: Path, name: str, entry: object, base: int) -> TensorInfo:
     return TensorInfo(dtype, shape, base + begin, base + end)
 
 
-def read_tensor(path: Path, name: str, info: TensorInfo) -> torch.Tensor:
-    """Read exactly one tensor's bytes from `path`."""
+def read_tensor(path: Path, name: str, info: TensorInfo, rows: slice | None = None) -> torch.Tensor:
+    """Read exactly one tensor's bytes from `path`; `rows` reads only a dim-0 range (e.g. a TP shard)."""
     torch_dtype = DTYPES[info.dtype]
-    if info.nbytes == 0:
-        return torch.empty(info.shape, dtype=torch_dtype)
-    buf = bytearray(info.nbytes)
+    shape, start, nbytes = info.shape, info.start, info.nbytes
+    if rows is not None:
+        if not shape or rows.step not in (None, 1):
+            raise ValueError(f"{name}: row ranges need a tensor with dimensions and a step of 1")
+        lo, hi, _ = rows.indices(shape[0])
+        hi = max(lo, hi)
+        row_bytes = nbytes // shape[0] if shape[0] else 0
+        shape, start, nbytes = (hi - lo, *shape[1:]), start + lo * row_bytes, (hi - lo) * row_bytes
+    if nbytes == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    buf = bytearray(nbytes)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -134,15 +142,15 @@ def read_tensor(path: Path, name: str, info: TensorInfo) -> torch.Tensor:
     try:
         READ_STATS.opens.append(str(path))
         view, got = memoryview(buf), 0
-        while got < info.nbytes:
-            n = os.preadv(fd, [view[got:]], info.start + got)
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:]], start + got)
             if n == 0:
                 raise CorruptFileError(f"{path}: truncated shard: tensor {name!r} ends past end of file")
             got += n
     finally:
         os.close(fd)
-    READ_STATS.bytes_read += info.nbytes
-    return torch.frombuffer(buf, dtype=torch_dtype).reshape(info.shape)
+    READ_STATS.bytes_read += nbytes
+    return torch.frombuffer(buf, dtype=torch_dtype).reshape(shape)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

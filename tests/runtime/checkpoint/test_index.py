@@ -52,3 +52,15 @@ def test_errors_name_the_file_or_tensor(model_dir):
     (model_dir / "config.json").unlink()
     with pytest.raises(MissingFileError, match="config.json: config.json not found"):
         CheckpointIndex(model_dir)
+
+
+def test_row_range_reads_only_those_rows(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    w = torch.arange(60, dtype=torch.float32).reshape(10, 6)
+    save_file({"w": w}, tmp_path / "model.safetensors")
+    index = CheckpointIndex(tmp_path)
+    READ_STATS.reset()
+    assert torch.equal(index.read("w", rows=slice(2, 5)), w[2:5])
+    assert READ_STATS.bytes_read == 3 * 6 * 4
+    assert torch.equal(index.read("w", rows=slice(8, None)), w[8:])
+    assert index.read("w", rows=slice(5, 5)).shape == (0, 6)
