@@ -99,36 +99,49 @@ def test_up_once_serves_completions_and_reports_acceptance(models_dir, tmp_path)
     rank_pid = int(status["gang"]["members"]["0"].split("/")[0])
     assert not pid_alive(rank_pid)
 
-    # A second run finds the draft up to date and does not rewrite it.
-    manifest = models_dir / "tiny-deepseek-v3-mtp" / "mtp-export.json"
-    before = manifest.stat().st_mtime_ns
-    again = mtp_up(str(SAMPLE), "--models-dir", str(models_dir), "--once", "--timeout", "240",
-                   "--log-dir", str(tmp_path / "logs2"))
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "up to date" in again.stdout
-    assert manifest.stat().st_mtime_ns == before
+
+def wait_for_status(proc: subprocess.Popen, status_file: Path, done, seconds: float = 240) -> dict:
+    """Poll the --status-file until `done(status)`; fails if `mtp up` exits first."""
+    deadline = time.monotonic() + seconds
+    status: dict = {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        if status_file.exists():
+            status = json.loads(status_file.read_text())["status"]
+            if done(status):
+                return status
+        time.sleep(0.3)
+    pytest.fail(f"mtp up (exit {proc.poll()}) never reached the expected status; last: {status}")
+
+
+def rank_pids(status: dict) -> dict[str, int]:
+    return {rank: int(member.split("/")[0]) for rank, member in status["gang"]["members"].items()}
 
 
 @pytest.mark.slow
-def test_sigterm_stops_every_rank_cleanly(models_dir, tmp_path):
+def test_two_ranks_on_loopback_restart_together_and_stop_on_sigterm(models_dir, tmp_path):
+    # nnodes 2: rank 1 finds rank 0 through the master address on loopback.
+    # Killing rank 1 restarts the whole group (rank 0 too), as the operator's
+    # gang restart does; SIGTERM then stops every rank and exits 0.
+    cr = write_cr(tmp_path / "two.yaml", {"nnodes": 2})
     status_file = tmp_path / "status.json"
+    manifest = models_dir / "tiny-deepseek-v3-mtp" / "mtp-export.json"
+    exported_before = manifest.stat().st_mtime_ns if manifest.exists() else None
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mtp_runtime", "up", str(SAMPLE), "--models-dir", str(models_dir),
-         "--log-dir", str(tmp_path / "logs"), "--status-file", str(status_file)],
+        [sys.executable, "-m", "mtp_runtime", "up", str(cr), "--models-dir", str(models_dir),
+         "--log-dir", str(tmp_path / "logs"), "--status-file", str(status_file), "--restart-backoff", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        deadline = time.monotonic() + 240
-        status = {}
-        while time.monotonic() < deadline and proc.poll() is None:
-            if status_file.exists():
-                status = json.loads(status_file.read_text())["status"]
-                if status.get("phase") in ("Running", "Degraded"):
-                    break
-            time.sleep(0.5)
-        assert status.get("phase") in ("Running", "Degraded"), f"never Ready: {status}"
-        rank_pid = int(status["gang"]["members"]["0"].split("/")[0])
-        assert pid_alive(rank_pid)
+        ready = lambda s: s.get("phase") in ("Running", "Degraded") and len(s["gang"]["members"]) == 2  # noqa: E731
+        status = wait_for_status(proc, status_file, ready)
+        assert status["nodes"] == "2/2" and status["masterAddress"].startswith("127.0.0.1:")
+        first = rank_pids(status)
+        os.kill(first["1"], signal.SIGKILL)
+        status = wait_for_status(proc, status_file, lambda s: ready(s) and s["gang"]["restarts"] == 1)
+        second = rank_pids(status)
+        assert set(second.values()).isdisjoint(first.values())
+        assert not pid_alive(first["0"])
+        assert status["gang"]["reason"] == "RankRestarted"
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -136,8 +149,14 @@ def test_sigterm_stops_every_rank_cleanly(models_dir, tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, out + err
-    assert "stopped rank-0" in out
-    assert not pid_alive(rank_pid)
+    assert "rank-1 exited with code -9" in out
+    assert "restarting the whole group" in out
+    assert "stopped rank-0" in out and "rank-1" in out
+    assert not any(pid_alive(pid) for pid in second.values())
+    if exported_before is not None:
+        # The draft was already exported and up to date: not rewritten.
+        assert "up to date" in out
+        assert manifest.stat().st_mtime_ns == exported_before
 
 
 def test_crashing_ranks_restart_the_group_until_the_budget_is_spent(tmp_path):
