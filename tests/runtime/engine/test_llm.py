@@ -1,0 +1,137 @@
+"""The LLM offline API and the LLMEngine request interface: outputs, stops, aborts, seeds, threads."""
+
+import threading
+
+import pytest
+
+from mtp_runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm_v3(tiny_models):
+    from mtp_runtime import LLM
+
+    return LLM(tiny_models["deepseek_v3"], num_speculative_tokens=2, max_model_len=96, block_size=4)
+
+
+def test_import_mtp_runtime_stays_torch_free():
+    import subprocess
+    import sys
+
+    code = "import sys, mtp_runtime; assert 'torch' not in sys.modules; from mtp_runtime import SamplingParams"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_generate_returns_one_finished_output_per_prompt_in_order(llm_v3):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm_v3.generate(["def main():", [5, 6, 7, 8], "import os"], params)
+    assert [o.finished for o in outs] == [True] * 3
+    assert [len(o.token_ids) for o in outs] == [6, 6, 6]
+    assert outs[1].prompt_token_ids == [5, 6, 7, 8]
+    assert outs[0].prompt_token_ids == llm_v3.tokenizer.encode("def main():").ids
+    assert outs[0].text == llm_v3.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
+    for o in outs:
+        assert o.finish_reason == "length"
+        assert o.draft_tokens == 2 * o.verify_steps and 0 <= o.accepted_tokens <= o.draft_tokens
+        assert len(o.accepted_per_position) == 2 and sum(o.accepted_per_position) == o.accepted_tokens
+        assert o.ttft_s > 0 and o.tpot_s > 0
+
+
+def test_per_prompt_params_and_their_validation(llm_v3):
+    outs = llm_v3.generate(["a", "b"], [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [2, 5]
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
+        llm_v3.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
+    with pytest.raises(TypeError, match="unknown engine option"):
+        from mtp_runtime import LLM
+
+        LLM("unused", max_batch=4)
+
+
+def test_stop_token_ids_and_stop_strings(llm_v3):
+    base = llm_v3.generate("class A:", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_id = base.token_ids[3]
+    out = llm_v3.generate("class A:", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                     stop_token_ids=[stop_id]))[0]
+    first = base.token_ids.index(stop_id)
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:first + 1]
+    stop_text = base.text[len(base.text) // 2:][:3]
+    if stop_text.strip():
+        out = llm_v3.generate("class A:", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                         stop=[stop_text]))[0]
+        assert out.finish_reason == "stop"
+        assert out.text == base.text[:base.text.index(stop_text)]
+
+
+def test_eos_ends_a_request_unless_ignored(kit, tiny_models):
+    engine = kit.make_engine(tiny_models["glm4_moe"], 1)
+    eos = engine.scheduler.eos_token_ids
+    assert eos == frozenset({1, 2, 5})
+    probe = kit.run_requests(engine, {"p": ([9, 10, 11], kit.greedy(10))})["p"]
+    engine.scheduler.eos_token_ids = frozenset({probe[2]})
+    params = SamplingParams(temperature=0, max_tokens=10)
+    out = kit.run_requests(engine, {"q": ([9, 10, 11], params)})["q"]
+    assert out == probe[:probe.index(probe[2]) + 1]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(kit, tiny_models):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=10, seed=11)
+    for k in (0, 2):
+        alone = kit.run_requests(kit.make_engine(tiny_models["deepseek_v3"], k), {"s": ([4, 5, 6], params)})
+        crowd = {"s": ([4, 5, 6], params), **{f"o{i}": ([7 + i, 8], SamplingParams(temperature=1.0, max_tokens=8))
+                                              for i in range(3)}}
+        together = kit.run_requests(kit.make_engine(tiny_models["deepseek_v3"], k), crowd)
+        assert together["s"] == alone["s"]
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=10, seed=12)
+    again = kit.run_requests(kit.make_engine(tiny_models["deepseek_v3"], 2), {"s": ([4, 5, 6], other_seed)})
+    assert again["s"] != alone["s"]
+
+
+def test_abort_frees_blocks_and_reports_abort(kit, tiny_models):
+    engine = kit.make_engine(tiny_models["deepseek_v3"], 2)
+    engine.add_request("a", list(range(3, 40)), kit.greedy(30))
+    engine.add_request("b", [3, 4, 5], kit.greedy(30))
+    engine.step()
+    engine.step()
+    engine.abort_request("a")
+    engine.abort_request("unknown")  # ignored
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert aborted and aborted[0].finished and aborted[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_bad_requests_raise_in_the_callers_thread(kit, tiny_models):
+    engine = kit.make_engine(tiny_models["deepseek_v3"], 0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("x", [1, 99999], kit.greedy(4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("y", list(range(3, 200)), kit.greedy(4))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("z", [], kit.greedy(4))
+    engine.add_request("dup", [3, 4], kit.greedy(4))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [3, 4], kit.greedy(4))
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.add_request("w", [3, 4], {"temperature": 0})
+
+
+def test_requests_added_from_other_threads_while_stepping(kit, tiny_models):
+    engine = kit.make_engine(tiny_models["glm4_moe"], 1)
+    expected = kit.run_requests(kit.make_engine(tiny_models["glm4_moe"], 0),
+                                {f"t{i}": ([3 + i, 4, 5], kit.greedy(6)) for i in range(8)})
+    threads = [threading.Thread(target=engine.add_request, args=(f"t{i}", [3 + i, 4, 5], kit.greedy(6)))
+               for i in range(8)]
+    outputs = {}
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads) or engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    assert outputs == expected
+    assert engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0
