@@ -38,16 +38,16 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
             }
         }
     },
-    "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
+    "podMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
 }
 
-# The Prometheus Operator's ServiceMonitor is a CRD no Kubernetes schema set
+# The Prometheus Operator's PodMonitor is a CRD no Kubernetes schema set
 # knows; its spec is checked against the fields of monitoring.coreos.com/v1
 # that the chart uses (unknown fields rejected, like strict mode).
-SERVICE_MONITOR_SPEC_SCHEMA = {
+POD_MONITOR_SPEC_SCHEMA = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["selector", "endpoints"],
+    "required": ["selector", "podMetricsEndpoints"],
     "properties": {
         "selector": {
             "type": "object",
@@ -62,7 +62,7 @@ SERVICE_MONITOR_SPEC_SCHEMA = {
                 "matchNames": {"type": "array", "items": {"type": "string"}},
             },
         },
-        "endpoints": {
+        "podMetricsEndpoints": {
             "type": "array",
             "minItems": 1,
             "items": {
@@ -82,13 +82,13 @@ SERVICE_MONITOR_SPEC_SCHEMA = {
 
 
 def validate_object(obj: dict[str, Any], version: str) -> None:
-    if obj["kind"] == "ServiceMonitor":
+    if obj["kind"] == "PodMonitor":
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"
         # Its metadata is an ordinary ObjectMeta: validate it as one.
         kubernetes_validate.validate(
             {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}, version, strict=True
         )
-        jsonschema.validate(obj["spec"], SERVICE_MONITOR_SPEC_SCHEMA)
+        jsonschema.validate(obj["spec"], POD_MONITOR_SPEC_SCHEMA)
         return
     kubernetes_validate.validate(obj, version, strict=True)
 
@@ -130,7 +130,7 @@ def test_default_objects(chart):
     objects = chart.template()
     kinds = sorted(obj["kind"] for obj in objects)
     assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"])
-    assert not chart.by_kind(objects, "ServiceMonitor")
+    assert not chart.by_kind(objects, "PodMonitor")
 
 
 def test_operator_deployment_defaults(chart):
@@ -189,10 +189,10 @@ def test_non_default_values_reach_the_objects(chart):
     assert env["MTP_OPERATOR_NAMESPACE"] == "models"
     assert "MTP_OPERATOR_ALL_NAMESPACES" not in env
     assert {p["containerPort"] for p in container["ports"]} == {9090}
-    monitor = chart.only(objects, "ServiceMonitor")
+    monitor = chart.only(objects, "PodMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["models"]}
-    assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
+    assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "15s"
 
 
 def test_empty_settings_are_not_set(chart):
@@ -239,13 +239,21 @@ def test_chart_crd_is_the_generated_one(chart):
     assert crd["metadata"]["name"] == "mtpdeployments.mtp.inference.dev"
 
 
-def test_service_monitor_selects_the_operators_server_services(chart):
+def test_pod_monitor_selects_rank_0_of_the_operators_pods(chart):
+    # The labels the operator's StatefulSet pods carry (from its own
+    # manifest builder), filtered to the pod with ordinal 0.
     from mtp_operator import constants as c
+    from mtp_operator.manifests import server_selector
+    from mtp_operator.plan import plan_deployment
+    from mtp_operator.spec import parse_spec
 
-    monitor = chart.only(chart.template(chart.values({"serviceMonitor": {"enabled": True}})), "ServiceMonitor")
-    assert monitor["spec"]["selector"]["matchLabels"] == {
-        c.LABEL_MANAGED_BY: c.MANAGED_BY_VALUE,
-        c.LABEL_COMPONENT: c.COMPONENT_SERVER,
-    }
-    assert monitor["spec"]["endpoints"][0]["port"] == c.PORT_NAME_HTTP
+    monitor = chart.only(chart.template(chart.values({"podMonitor": {"enabled": True}})), "PodMonitor")
+    spec = parse_spec(yaml.safe_load((chart.path.parents[1] / "crds/samples/tiny-cpu.yaml").read_text())["spec"])
+    plan = plan_deployment("tiny-cpu", "default", spec, master_host="h")
+    pod_labels = {**server_selector(plan), c.LABEL_POD_INDEX: "0"}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert selector[c.LABEL_POD_INDEX] == "0" and "mtp.inference.dev/deployment" not in selector
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == c.PORT_NAME_HTTP
+    assert monitor["spec"]["podMetricsEndpoints"][0]["path"] == plan.metrics_path
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
