@@ -31,6 +31,9 @@ class RandomTensors(Mapping):
         shape = self.spec[name][1]
         return init_tensor(name, shape, self.seed)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would generate the tensor
+        return name in self.spec
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.spec)
 
@@ -45,7 +48,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         return torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     std = CORRECTION_BIAS_STD if name.endswith("e_score_correction_bias") else INIT_STD
-    return torch.randn(shape, generator=gen) * std
+    return torch.randn(shape, generator=gen).mul_(std)
 
 
 def _is_norm_weight(name: str) -> bool:
