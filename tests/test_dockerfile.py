@@ -175,3 +175,40 @@ def test_dockerignore_keeps_the_context_small():
     copied = re.findall(r"^COPY (?!--from)(.+?) \S+$", (REPO / "Dockerfile").read_text(), re.MULTILINE)
     sources = {src for line in copied for src in line.split()}
     assert sources == allowed
+
+
+# Runs in a fresh interpreter: makes every import of the runtime extra's own
+# packages fail, as in the operator image, then imports the operator package
+# and runs `mtp operator --help`.
+OPERATOR_IMAGE_PROBE = """
+import importlib, importlib.abc, pkgutil, sys
+blocked = set(sys.argv[1].split(","))
+class RuntimeExtraAbsent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in blocked:
+            raise ImportError(f"{name} is not installed in the operator image")
+sys.meta_path.insert(0, RuntimeExtraAbsent())
+import mtp_operator
+for module in pkgutil.walk_packages(mtp_operator.__path__, "mtp_operator."):
+    importlib.import_module(module.name)
+from mtp_runtime.cli import main
+try:
+    main(["operator", "--help"])
+except SystemExit as exit:
+    sys.exit(exit.code)
+"""
+
+
+def test_operator_image_needs_no_runtime_extra():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def import_names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=;\[ ]", req, maxsplit=1)[0].lower().replace("-", "_") for req in requirements}
+
+    runtime_only = import_names(extras["runtime"]) - import_names(extras["operator"] + project["dependencies"])
+    assert "torch" in runtime_only
+    done = subprocess.run([sys.executable, "-c", OPERATOR_IMAGE_PROBE, ",".join(sorted(runtime_only))],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage: mtp operator" in done.stdout
