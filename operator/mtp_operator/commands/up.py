@@ -97,14 +97,49 @@ def load_resource(path: Path) -> dict[str, Any]:
     return resource
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace):
+    """FILE.yaml -> a LocalDeployment ready to run (None with --make-model-only).
+
+    Raises the input errors `run` reports: each names the file and the field.
+    """
     from mtp_operator.local.launch import choose_ports, export_process, plan_local, rank_processes
-    from mtp_operator.local.model_prep import ModelPrepError, ensure_model
-    from mtp_operator.local.paths import LocalPathError, LocalPaths
+    from mtp_operator.local.model_prep import ensure_model
+    from mtp_operator.local.paths import LocalPaths
     from mtp_operator.local.runner import LocalDeployment, UpOptions
+    from mtp_operator.settings import OperatorSettings
+    from mtp_operator.spec import parse_spec
+
+    resource = load_resource(args.file)
+    metadata = resource["metadata"]
+    spec = parse_spec(resource.get("spec"))
+    settings = OperatorSettings.from_env()
+    paths = LocalPaths.for_spec(spec, args.models_dir)
+    ensure_model(paths.to_local(spec.model.path), metadata.get("annotations") or {},
+                 log=lambda line: print(f"mtp up: {line}", flush=True))
+    if args.make_model_only:
+        return None
+    http_port, master_port = choose_ports(spec, args.port, args.master_port)
+    plan = plan_local(metadata["name"], spec, http_port, master_port)
+    options = UpOptions(
+        log_dir=args.log_dir or Path(tempfile.gettempdir()) / "mtp-up" / metadata["name"],
+        once=args.once, timeout=args.timeout if args.timeout or not args.once else 900.0,
+        requests=args.requests, max_tokens=args.max_tokens, metrics_interval=args.metrics_interval,
+        status_file=args.status_file,
+        restart_budget=settings.gang_restart_budget if args.restart_budget is None else args.restart_budget,
+        restart_backoff=settings.gang_restart_backoff if args.restart_backoff is None else args.restart_backoff,
+        generation=int(metadata.get("generation") or 1),
+    )
+    return LocalDeployment(metadata["name"], spec, plan, export_process(plan, paths), rank_processes(plan, paths),
+                           options, out=lambda line: print(line, flush=True))
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtp_operator.local.model_prep import ModelPrepError
+    from mtp_operator.local.paths import LocalPathError
+    from mtp_operator.local.report import status_document
     from mtp_operator.plan import PlanError
-    from mtp_operator.settings import OperatorSettings, SettingsError
-    from mtp_operator.spec import SpecError, parse_spec
+    from mtp_operator.settings import SettingsError
+    from mtp_operator.spec import SpecError
 
     def fail(message: str) -> int:
         print(f"mtp up: {message}", file=sys.stderr)
@@ -115,34 +150,14 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         return fail(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
-        resource = load_resource(args.file)
-        name = resource["metadata"]["name"]
-        spec = parse_spec(resource.get("spec"))
-        settings = OperatorSettings.from_env()
-        paths = LocalPaths.for_spec(spec, args.models_dir)
-        ensure_model(paths.to_local(spec.model.path), resource["metadata"].get("annotations") or {},
-                     log=lambda line: print(f"mtp up: {line}", flush=True))
-        if args.make_model_only:
-            return 0
-        http_port, master_port = choose_ports(spec, args.port, args.master_port)
-        plan = plan_local(name, spec, http_port, master_port)
-        export, ranks = export_process(plan, paths), rank_processes(plan, paths)
+        deployment = prepare(args)
     except (UpInputError, SpecError, LocalPathError, ModelPrepError, PlanError, SettingsError) as exc:
-        return fail(f"{args.file}: {exc}" if not str(exc).startswith(str(args.file)) else str(exc))
-
-    log_dir = args.log_dir or Path(tempfile.gettempdir()) / "mtp-up" / name
-    options = UpOptions(
-        log_dir=log_dir, once=args.once, timeout=args.timeout if args.timeout or not args.once else 900.0,
-        requests=args.requests, max_tokens=args.max_tokens, metrics_interval=args.metrics_interval,
-        status_file=args.status_file,
-        restart_budget=settings.gang_restart_budget if args.restart_budget is None else args.restart_budget,
-        restart_backoff=settings.gang_restart_backoff if args.restart_backoff is None else args.restart_backoff,
-        generation=int(resource["metadata"].get("generation") or 1),
-    )
-    deployment = LocalDeployment(name, spec, plan, export, ranks, options,
-                                 out=lambda line: print(line, flush=True))
-    print(f"mtp up: {name}: {plan.nnodes} rank(s) of {plan.engine} on 127.0.0.1, HTTP from port {http_port}, "
-          f"master {plan.master_address}; logs in {log_dir}", flush=True)
+        return fail(str(exc) if str(exc).startswith(str(args.file)) else f"{args.file}: {exc}")
+    if deployment is None:
+        return 0
+    plan = deployment.plan
+    print(f"mtp up: {deployment.name}: {plan.nnodes} rank(s) of {plan.engine} on 127.0.0.1, HTTP from port "
+          f"{plan.http_port}, master {plan.master_address}; logs in {deployment.options.log_dir}", flush=True)
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -151,7 +166,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    from mtp_operator.local.report import status_document
-
-    print(status_document(name, deployment.status), end="", flush=True)
+    print(status_document(deployment.name, deployment.status), end="", flush=True)
     return code
