@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="once Ready, send N greedy completions to rank 0 and show the acceptance they gave")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per --requests completion (default 32)")
     parser.add_argument("--port", type=int, default=None,
-                        help="HTTP port of rank 0; rank r uses PORT+r (default: spec.ports.http if free, else a free one)")
+                        help="HTTP port of rank 0; rank r uses PORT+r "
+                        "(default: spec.ports.http if free, else a free one)")
     parser.add_argument("--master-port", type=int, default=None,
                         help="rank 0's rendezvous port (default: spec.ports.master if free, else a free one)")
     parser.add_argument("--log-dir", type=Path, default=None,

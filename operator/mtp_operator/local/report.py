@@ -40,7 +40,8 @@ def acceptance_summary(status: dict[str, Any]) -> str | None:
 
 
 def status_line(status: dict[str, Any]) -> str:
-    line = f"[{time.strftime('%H:%M:%S')}] {status.get('phase')} nodes {status.get('nodes')}  {condition_summary(status)}"
+    clock = time.strftime("%H:%M:%S")
+    line = f"[{clock}] {status.get('phase')} nodes {status.get('nodes')}  {condition_summary(status)}"
     waiting = [c["message"] for c in status.get("conditions", []) if c["type"] == "Ready" and c["status"] != "True"]
     if waiting and waiting[0]:
         line += f"\n           {waiting[0]}"

@@ -152,7 +152,8 @@ class LocalDeployment:
             if member.http_port is not None:
                 probe = probe_health("127.0.0.1", member.http_port)
                 healthy = probe.ok
-                detail = probe.error or (str((probe.body or {}).get("state", probe.status_code)) if not probe.ok else "")
+                if not probe.ok:
+                    detail = probe.error or str((probe.body or {}).get("state", probe.status_code))
             observed.append(RankObservation(rank=rank, uid=str(pid), restart_count=0,
                                             ready=healthy is not False, healthy=healthy, health_detail=detail))
         return observed
