@@ -32,7 +32,11 @@ class LocalServer:
                 "--port", str(self.port), *serve_flags]
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **(env or {})})
-        self._wait_ready(startup_timeout_s)
+        try:
+            self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.__exit__()
+            raise
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -45,11 +49,9 @@ class LocalServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        self.stop()
         raise TimeoutError(f"mtp serve was not ready within {timeout_s:.0f}s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
-        self.log.flush()
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
             return f.read()[-chars:]
 
@@ -62,12 +64,12 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self.log.close()
         return self.process.returncode
 
     def __enter__(self) -> "LocalServer":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         self.stop()
+        self.log.close()
         os.unlink(self.log.name)

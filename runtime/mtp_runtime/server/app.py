@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import AsyncEngine, EngineFailure, EngineNotReadyError, QueueFullError
+from .async_engine import AsyncEngine, EngineFailure, EngineNotReadyError, QueueFullError, RequestAborted
 from .chat_template import ChatTemplate, ChatTemplateError
 from .metrics import CONTENT_TYPE_LATEST
 from .openai_protocol import (
@@ -102,6 +102,8 @@ def create_app(engine: AsyncEngine, builder: RequestBuilder, served_model_name: 
             raise APIError(429, str(exc), type_="rate_limit_error", code="queue_full") from None
         except EngineNotReadyError as exc:
             raise APIError(503, str(exc), type_="server_error", code="not_ready") from None
+        except ValueError as exc:  # the engine's own validation, e.g. a request it can never schedule
+            raise APIError(400, f"prompt: {exc}", param="prompt", code="invalid_request") from None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -176,6 +178,9 @@ async def _collect(engine: AsyncEngine, request: Request, request_id: str, outpu
             if isinstance(item, EngineFailure):
                 finished = True
                 raise APIError(500, item.message, type_="server_error", code="engine_error")
+            if isinstance(item, RequestAborted):
+                finished = True
+                raise APIError(503, item.message, type_="server_error", code="aborted")
             if item.finished:
                 finished = True
                 return item
@@ -196,6 +201,14 @@ async def _stream(engine: AsyncEngine, request_id: str, outputs: asyncio.Queue, 
             if isinstance(item, EngineFailure):
                 finished = True
                 yield sse_event({"error": APIError(500, item.message, type_="server_error").body()["error"]})
+                yield SSE_DONE
+                return
+            if isinstance(item, RequestAborted):  # cut short at shutdown: end the stream properly
+                finished = True
+                if kind == "chat":
+                    yield sse_event(chat_chunk(request_id, model, {}, "abort"))
+                else:
+                    yield sse_event(completion_chunk(request_id, model, "", "abort"))
                 yield SSE_DONE
                 return
             delta = _text_delta(item.text, sent, item.finished)

@@ -57,7 +57,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ep_size", type=int, default=1, help="expert-parallel size")
     add("--dp_size", type=int, default=1, help="attention data-parallel size")
     for name, default, what in (
-        ("enable_prefix_cache", False, "reuse KV blocks of shared prompt prefixes"),
+        ("enable_prefix_cache", True, "reuse KV blocks of shared prompt prefixes"),
         ("enable_chunked_prefill", True, "split long prompts over several steps"),
     ):
         add(f"--{name}", type=parse_bool, nargs="?", const=True, default=default,
@@ -181,10 +181,9 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
     if ns.nnodes > 1:
         if ns.master_node_addr is None:
             raise ServeArgsError("--master_node_addr: required when --nnodes > 1")
-        raise ServeArgsError(
-            f"--nnodes: {ns.nnodes} nodes are not supported by this build yet (multi-node serving "
-            "is not implemented); use --nnodes 1"
-        )
+        if ns.ep_size not in (1, ns.nnodes):
+            raise ServeArgsError(f"--ep_size: {ns.ep_size} must be 1 (experts split by size over all ranks) "
+                                 f"or --nnodes {ns.nnodes} (one slice of the experts per rank)")
     _check_range("max_memory_utilization", ns.max_memory_utilization, 0.0, 1.0, low_inclusive=False)
     _check_range("max_tokens_per_batch", ns.max_tokens_per_batch, 1)
     _check_range("max_seqs_per_batch", ns.max_seqs_per_batch, 1)

@@ -1,16 +1,17 @@
 """The engine stepping in a background thread, feeding per-request asyncio queues.
 
-Only the engine thread touches the engine: HTTP handlers post add/abort
-commands to a thread-safe queue, and the thread hands every RequestOutput to
-its request's asyncio.Queue with call_soon_threadsafe. The thread also loads
-the model, so /health can answer 503 "loading" while weights are read.
+LLMEngine.add_request/abort_request are safe from any thread (they validate
+in the caller and post to the engine's inbox), so HTTP handlers call them
+directly and a bad request fails in its own handler. Only the engine thread
+steps; it hands each RequestOutput to its request's asyncio.Queue with
+call_soon_threadsafe. The thread also loads the model, so /health can answer
+503 "loading" while weights are read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import traceback
 from dataclasses import dataclass
@@ -28,12 +29,19 @@ class QueueFullError(RuntimeError):
 
 
 class EngineNotReadyError(RuntimeError):
-    """The model is still loading or failed to load; answered with 503."""
+    """The model is still loading, failed to load, or the server is draining; answered with 503."""
 
 
 @dataclass
 class EngineFailure:
     """Put on a request's queue when the engine itself broke under it."""
+
+    message: str
+
+
+@dataclass
+class RequestAborted:
+    """Put on a request's queue when the server cut it short (shutdown deadline)."""
 
     message: str
 
@@ -52,19 +60,17 @@ class AsyncEngine:
         self.max_in_flight = max_in_flight
         self.node_state = node_state or NodeState(rank=0, nnodes=1)
         self.engine: Any = None
-        self._commands: queue.Queue = queue.Queue()
+        self.last_stats: Any = None
+        self.load_error: str | None = None
+        self.on_load_failure: Callable[[], None] | None = None
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _accepting
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mtp-engine", daemon=True)
-        self.last_stats: Any = None
-        self._in_engine: set[str] = set()  # engine-thread only: ids the engine holds
-        self.load_error: str | None = None
-        self.on_load_failure: Callable[[], None] | None = None
 
-    # ---- called from the event loop --------------------------------------------
+    # ---- event-loop side ---------------------------------------------------------
 
     def start(self) -> None:
         self.node_state.loading()
@@ -80,15 +86,16 @@ class AsyncEngine:
 
     def health_stats(self) -> dict:
         """Engine figures for /health: load, and free KV blocks (tests check nothing leaks)."""
+        body: dict = {"requests_in_flight": self.in_flight()}
         stats = self.last_stats
-        body = {"requests_in_flight": self.in_flight()}
         if stats is not None:
+            free = round((1.0 - stats.kv_cache_usage) * stats.num_kv_blocks)
             body.update(requests_running=stats.num_running, requests_waiting=stats.num_waiting,
-                        kv_cache_usage=stats.kv_cache_usage, free_blocks=stats.num_free_blocks,
-                        total_blocks=stats.num_blocks)
+                        kv_cache_usage=stats.kv_cache_usage, free_blocks=free, total_blocks=stats.num_kv_blocks)
         return body
 
     def add_request(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
+        """Queue of this request's outputs; raises ValueError for a request the engine refuses."""
         if not self.ready:
             raise EngineNotReadyError(f"the model is not ready (state {self.node_state.state})")
         outputs: asyncio.Queue = asyncio.Queue()
@@ -99,7 +106,12 @@ class AsyncEngine:
                 raise QueueFullError(f"{len(self._streams)} requests in flight, the limit is {self.max_in_flight}; "
                                      "retry later")
             self._streams[request_id] = _Stream(asyncio.get_running_loop(), outputs)
-        self._commands.put(("add", request_id, prompt_ids, params))
+        try:
+            self.engine.add_request(request_id, prompt_ids, params)
+        except Exception:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
         self._wake.set()
         return outputs
 
@@ -107,12 +119,23 @@ class AsyncEngine:
         with self._lock:
             known = self._streams.pop(request_id, None) is not None
         if known:
-            self._commands.put(("abort", request_id))
+            self.engine.abort_request(request_id)
             self._wake.set()
 
     def stop_accepting(self) -> None:
         with self._lock:
             self._accepting = False
+
+    def abort_all(self, message: str) -> None:
+        """Cut every in-flight request short; each handler then ends its response cleanly."""
+        with self._lock:
+            streams = dict(self._streams)
+            self._streams.clear()
+        for request_id, stream in streams.items():
+            log.warning("aborting request %s: %s", request_id, message)
+            self.engine.abort_request(request_id)
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, RequestAborted(message))
+        self._wake.set()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
@@ -120,7 +143,7 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    # ---- the engine thread -------------------------------------------------------
+    # ---- the engine thread -----------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -136,7 +159,6 @@ class AsyncEngine:
         self.node_state.ready()
         log.info("model loaded; serving")
         while not self._stop.is_set():
-            self._apply_commands()
             if not self.engine.has_unfinished_requests():
                 self._publish_state()
                 self._wake.wait(0.5)
@@ -145,39 +167,15 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
-                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 log.error("engine step failed\n%s", traceback.format_exc())
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
             for out in outputs:
                 self._deliver(out)
             self._publish_state()
-        self._abort_everything()
-
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                _, request_id, prompt_ids, params = command
-                with self._lock:
-                    wanted = request_id in self._streams  # aborted before it reached the engine?
-                if wanted:
-                    try:
-                        self.engine.add_request(request_id, prompt_ids, params)
-                        self._in_engine.add(request_id)
-                    except Exception as exc:  # noqa: BLE001 - answer the request, keep serving
-                        self._finish_with_failure(request_id, f"{type(exc).__name__}: {exc}")
-            elif command[1] in self._in_engine:
-                self._in_engine.discard(command[1])
-                self.engine.abort_request(command[1])
-                self.metrics.forget(command[1])
 
     def _deliver(self, out) -> None:
         self.metrics.observe_output(out)
-        if out.finished:
-            self._in_engine.discard(out.request_id)
         with self._lock:
             stream = self._streams.get(out.request_id)
             if out.finished:
@@ -185,24 +183,14 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
 
-    def _finish_with_failure(self, request_id: str, message: str) -> None:
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineFailure(message))
-
     def _fail_all(self, message: str) -> None:
         with self._lock:
-            request_ids = list(self._streams)
-        for request_id in request_ids:
-            self._finish_with_failure(request_id, message)
-        self._abort_everything()
-
-    def _abort_everything(self) -> None:
-        for request_id in list(self._in_engine):
-            self._in_engine.discard(request_id)
+            streams = dict(self._streams)
+            self._streams.clear()
+        for request_id, stream in streams.items():
             self.engine.abort_request(request_id)
             self.metrics.forget(request_id)
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineFailure(message))
 
     def _publish_state(self) -> None:
         stats = self.engine.stats()

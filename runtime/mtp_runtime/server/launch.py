@@ -9,9 +9,12 @@ aborts them in the engine), and the process exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
+import threading
 
 import uvicorn
 
@@ -64,6 +67,13 @@ def build_request_builder(args: ServeArgs) -> RequestBuilder:
     return RequestBuilder(tokenizer, chat_template, max_model_len, vocab_size)
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    # CPUs have no fast bf16 matmul everywhere; accelerators do.
+    if dtype != "auto":
+        return dtype
+    return "float32" if device == "cpu" else "bfloat16"
+
+
 def engine_factory(args: ServeArgs, max_model_len: int):
     def build():
         from mtp_runtime.engine.config import EngineConfig
@@ -72,7 +82,7 @@ def engine_factory(args: ServeArgs, max_model_len: int):
         return LLMEngine(EngineConfig(
             model=args.model, draft_model=args.draft_model,
             num_speculative_tokens=args.num_speculative_tokens,
-            device=args.devices[0], dtype=args.dtype,
+            device=args.devices[0], dtype=resolve_dtype(args.dtype, args.devices[0]),
             max_memory_utilization=args.max_memory_utilization,
             max_tokens_per_batch=args.max_tokens_per_batch, max_seqs_per_batch=args.max_seqs_per_batch,
             block_size=args.block_size, enable_prefix_cache=args.enable_prefix_cache,
@@ -92,22 +102,53 @@ class _GracefulServer(uvicorn.Server):
         self._on_exit_signal()
         super().handle_exit(sig, frame)
 
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises the signal after a graceful stop, so the process would die of
+        # SIGTERM (-15); a pod that drained cleanly should exit 0 instead.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
 
 def serve(args: ServeArgs, log_level: str = "info") -> int:
+    group = None
+    if args.nnodes > 1:  # multi-node: rank 0 leads the group, the other ranks follow its step plans
+        from mtp_runtime.multinode.serve_group import GroupMember, fail_requests_hook, serve_worker
+
+        if args.node_rank != 0:
+            return serve_worker(args, log_level)
+        group = GroupMember(args)
     builder = build_request_builder(args)
     metrics = ServerMetrics(args.num_speculative_tokens)
-    engine = AsyncEngine(engine_factory(args, builder.max_model_len), metrics,
-                         max_in_flight=args.max_seqs_per_batch + args.max_waiting_requests)
+    build = engine_factory(args, builder.max_model_len)
+    engine = AsyncEngine(group.leader_build(build) if group else build, metrics,
+                         max_in_flight=args.max_seqs_per_batch + args.max_waiting_requests,
+                         node_state=group.state if group else None)
+    if group:
+        group.on_failure(fail_requests_hook(engine.abort_all))
     health_extra = {"model": args.served_model_name, "num_speculative_tokens": args.num_speculative_tokens}
     app = create_app(engine, builder, args.served_model_name, args.model, args.api_key, health_extra)
 
     def on_exit_signal() -> None:
-        log.info("shutdown requested: no new requests; in-flight ones get %.0fs", args.shutdown_timeout)
+        if app.state.draining:
+            return
+        log.info("shutdown requested: no new requests; in-flight ones get %.1fs", args.shutdown_timeout)
         app.state.draining = True
         engine.stop_accepting()
+        deadline = threading.Timer(args.shutdown_timeout, engine.abort_all, ("the server is shutting down",))
+        deadline.daemon = True
+        deadline.start()
 
+    # uvicorn's own deadline is only a backstop: ours ends each response with finish_reason "abort" first.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5.0, lifespan="off")
     server = _GracefulServer(config, on_exit_signal)
     exit_code = {"value": 0}
 
@@ -116,11 +157,16 @@ def serve(args: ServeArgs, log_level: str = "info") -> int:
         server.should_exit = True
 
     engine.on_load_failure = on_load_failure
+    # uvicorn re-raises the signal it handled once it has shut down; with a handler in place
+    # (not the default action) that is harmless, and the process exits through the code below.
+    signal.signal(signal.SIGTERM, server.handle_exit)
     engine.start()
     try:
         server.run()
     finally:
         engine.shutdown()
+        if group:
+            group.leave()
     if exit_code["value"]:
         log.error("exiting: the model failed to load: %s", engine.load_error)
     return exit_code["value"]

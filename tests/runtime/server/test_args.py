@@ -46,7 +46,8 @@ def test_defaults_and_draft_implies_one_token(model_dir):
     m, d = str(model_dir / "main"), str(model_dir / "draft")
     assert parse(["--model", m]).num_speculative_tokens == 0
     assert parse(["--model", m, "--draft_model", d]).num_speculative_tokens == 1
-    assert parse(["--model", m, "--enable_prefix_cache"]).enable_prefix_cache is True
+    assert parse(["--model", m, "--enable_prefix_cache=false"]).enable_prefix_cache is False
+    assert parse(["--model", m, "--enable_prefix_cache=false", "--enable_prefix_cache"]).enable_prefix_cache is True
 
 
 def test_api_key_from_flag_or_env(model_dir):
