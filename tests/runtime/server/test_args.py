@@ -99,16 +99,17 @@ def test_npu_device_says_torch_npu_is_missing(model_dir):
     assert "torch_npu" in message
 
 
-def test_multi_node_flags_are_validated_then_rejected_as_not_yet_supported(model_dir):
+def test_multi_node_flags_are_validated(model_dir):
     m = str(model_dir / "main")
     reject(["--model", m, "--nnodes", "2"], "--master_node_addr")
     reject(["--model", m, "--nnodes", "2", "--master_node_addr", "nohost"], "--master_node_addr")
     reject(["--model", m, "--nnodes", "2", "--node_rank", "2", "--master_node_addr", "h:1"], "--node_rank")
     reject(["--model", m, "--node_rank", "x"], "--node_rank")
-    message = reject(["--model", m, "--nnodes", "2", "--node_rank", "auto", "--master_node_addr", "h-0.h:29500"],
-                     "--nnodes", hostname="mtp-ds-1")
-    assert "not supported" in message
     reject(["--model", m, "--nnodes", "0"], "--nnodes")
+    reject(["--model", m, "--nnodes", "4", "--ep_size", "3", "--master_node_addr", "h:1"], "--ep_size")
+    args = parse(["--model", m, "--nnodes", "2", "--node_rank", "auto", "--master_node_addr", "h-0.h:29500"],
+                 hostname="mtp-ds-1")
+    assert (args.nnodes, args.node_rank, args.master_node_addr) == (2, 1, "h-0.h:29500")
 
 
 def test_node_rank_auto_single_node(model_dir):
