@@ -1,0 +1,227 @@
+#!/usr/bin/env python
+"""Engine benchmark: transformers generate() vs our engine with k = 0..3 MTP drafts.
+
+On the trained `mtp make-tiny --preset bench` checkpoints, the same held-out
+prompts, greedy, measured side by side in one run: tokens/s and time per
+output token at each batch size, per-position acceptance, mean tokens per
+verify step, efficiency = (speed-up over k=0) / (tokens per verify step), and
+the target ratios. Every k's output is checked token-for-token against k=0.
+Writes results.json, results.md and speedup.png into OUT_DIR.
+
+    python hack/bench_engine.py OUT_DIR [--archs deepseek_v3,glm4_moe] [--train-steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from mtp_runtime import LLM, SamplingParams
+from mtp_runtime.bench.prompts import build_prompts, load_tokenizer
+from mtp_runtime.cli import main as mtp_main
+
+TARGETS = {  # name -> (description, minimum)
+    "k1_over_k0_batch1": ("k=1 / k=0 tokens/s at batch 1", 1.45),
+    "best_k_over_k0_batch1": ("best k / k=0 tokens/s at batch 1", 1.8),
+    "k1_over_k0_batch16": ("k=1 / k=0 tokens/s at batch 16", 1.2),
+    "min_efficiency": ("lowest efficiency over k, batch 1", 0.8),
+    "k0_over_transformers_batch1": ("our k=0 / transformers tokens/s at batch 1", 2.0),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--archs", default="deepseek_v3,glm4_moe")
+    p.add_argument("--train-steps", type=int, default=None, help="default: the bench preset's")
+    p.add_argument("--ks", default="0,1,2,3")
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="best of N runs per point")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, the same for every system")
+    p.add_argument("--no-transformers", action="store_true")
+    return p.parse_args()
+
+
+def build_model(arch: str, out_dir: Path, train_steps: int | None) -> str:
+    model_dir = out_dir / "models" / arch
+    args = ["make-tiny", "--arch", arch, "--preset", "bench", "--out", str(model_dir), "--force"]
+    if train_steps is not None:
+        args += ["--train-steps", str(train_steps)]
+    if mtp_main(args) != 0:
+        raise SystemExit(f"mtp make-tiny failed for {arch}")
+    return str(model_dir)
+
+
+def timed(fn, repeats: int):
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def bench_engine(model_dir: str, k: int, prompts, batches, max_tokens: int, repeats: int) -> dict:
+    llm = LLM(model_dir, num_speculative_tokens=k, max_model_len=len(prompts[0]) + max_tokens + 8,
+              max_seqs_per_batch=max(batches), enable_prefix_cache=False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    points = {}
+    for b in batches:
+        seconds, outs = timed(lambda: llm.generate(prompts[:b], params), repeats)
+        drafted = sum(o.draft_tokens for o in outs)
+        steps = sum(o.verify_steps for o in outs)
+        per_pos = [sum(o.accepted_per_position[j] for o in outs) for j in range(k)]
+        points[b] = {
+            "seconds": seconds, "tokens_per_s": b * max_tokens / seconds, "tpot_ms": 1e3 * seconds / max_tokens,
+            "acceptance_rate": sum(per_pos) / drafted if drafted else None,
+            "acceptance_per_position": [n / steps for n in per_pos] if steps else [],
+            "tokens_per_verify_step": (sum(per_pos) + steps) / steps if steps else 1.0,
+            "token_ids": [o.token_ids for o in outs],
+        }
+    return points
+
+
+def bench_transformers(model_dir: str, prompts, batches, max_tokens: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    points = {}
+    for b in batches:
+        ids = torch.tensor(prompts[:b])  # equal-length prompts: no padding
+
+        def generate():
+            with torch.inference_mode():
+                return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+
+        generate()  # warm-up
+        seconds, out = timed(generate, repeats)
+        points[b] = {"seconds": seconds, "tokens_per_s": b * max_tokens / seconds,
+                     "tpot_ms": 1e3 * seconds / max_tokens, "token_ids": out[:, ids.shape[1]:].tolist()}
+    return points
+
+
+def summarize(systems: dict, ks, batches) -> dict:
+    k0 = systems["k=0"]
+    speedup = {f"k={k}": {b: systems[f"k={k}"][b]["tokens_per_s"] / k0[b]["tokens_per_s"] for b in batches}
+               for k in ks}
+    efficiency = {f"k={k}": {b: speedup[f"k={k}"][b] / systems[f"k={k}"][b]["tokens_per_verify_step"]
+                             for b in batches} for k in ks if k}
+    lossless = {f"k={k}": all(systems[f"k={k}"][b]["token_ids"] == k0[b]["token_ids"] for b in batches) for k in ks}
+    b1, b16 = batches[0], batches[-1]
+    ratios = {}
+    if 1 in ks:
+        ratios["k1_over_k0_batch1"] = speedup["k=1"][b1]
+        ratios["k1_over_k0_batch16"] = speedup["k=1"][b16]
+    spec_ks = [k for k in ks if k]
+    if spec_ks:
+        ratios["best_k_over_k0_batch1"] = max(speedup[f"k={k}"][b1] for k in spec_ks)
+        ratios["min_efficiency"] = min(efficiency[f"k={k}"][b1] for k in spec_ks)
+    if "transformers" in systems:
+        tf = systems["transformers"]
+        ratios["k0_over_transformers_batch1"] = k0[b1]["tokens_per_s"] / tf[b1]["tokens_per_s"]
+        ratios["transformers_output_matches_k0"] = all(tf[b]["token_ids"] == k0[b]["token_ids"] for b in batches)
+    met = {name: ratios[name] >= minimum for name, (_, minimum) in TARGETS.items() if name in ratios}
+    return {"speedup": speedup, "efficiency": efficiency, "lossless": lossless, "ratios": ratios, "targets_met": met}
+
+
+def profile_step(model_dir: str, prompts, max_tokens: int) -> str:
+    """Where a k=1, batch-1 run spends its time (top functions by own time)."""
+    llm = LLM(model_dir, num_speculative_tokens=1, max_model_len=len(prompts[0]) + max_tokens + 8)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], params)
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts[:1], params)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+    return text.getvalue()
+
+
+def markdown(arch: str, systems: dict, summary: dict, ks, batches) -> str:
+    lines = [f"## {arch}", "", "| system | batch | tokens/s | ms / output token | speed-up vs k=0 | accepted "
+             "per position | tokens / verify step | efficiency |", "|---|---|---|---|---|---|---|---|"]
+    for name, points in systems.items():
+        for b in batches:
+            p = points[b]
+            sp = summary["speedup"].get(name, {}).get(b)
+            eff = summary["efficiency"].get(name, {}).get(b)
+            acc = ", ".join(f"{a:.2f}" for a in p.get("acceptance_per_position", []))
+            tpv = p.get("tokens_per_verify_step")
+            lines.append(f"| {name} | {b} | {p['tokens_per_s']:.1f} | {p['tpot_ms']:.2f} | "
+                         f"{'' if sp is None else f'{sp:.2f}x'} | {acc} | {'' if tpv is None else f'{tpv:.2f}'} | "
+                         f"{'' if eff is None else f'{eff:.2f}'} |")
+    lines += ["", "| target | measured | minimum | met |", "|---|---|---|---|"]
+    for name, (desc, minimum) in TARGETS.items():
+        if name in summary["ratios"]:
+            lines.append(f"| {desc} | {summary['ratios'][name]:.2f} | {minimum} | "
+                         f"{'yes' if summary['targets_met'][name] else 'NO'} |")
+    lines.append(f"\nlossless (greedy k>0 == k=0): {summary['lossless']}; transformers output == k=0: "
+                 f"{summary['ratios'].get('transformers_output_matches_k0')}\n")
+    return "\n".join(lines)
+
+
+def plot(results: dict, batches, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (arch, res) in zip(axes[0], results.items()):
+        for name, by_batch in res["summary"]["speedup"].items():
+            ax.plot(batches, [by_batch[b] for b in batches], marker="o", label=name)
+        ax.set(title=arch, xlabel="batch size", ylabel="tokens/s speed-up over k=0", xscale="log")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    ks = [int(k) for k in args.ks.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    results, md = {}, []
+    for arch in args.archs.split(","):
+        model_dir = build_model(arch, args.out_dir, args.train_steps)
+        prompts = build_prompts(load_tokenizer(model_dir), max(batches), args.prompt_len, seed=0)
+        systems = {}
+        if not args.no_transformers:
+            systems["transformers"] = bench_transformers(model_dir, prompts, batches, args.max_tokens, args.repeats)
+        for k in ks:
+            systems[f"k={k}"] = bench_engine(model_dir, k, prompts, batches, args.max_tokens, args.repeats)
+            print(arch, f"k={k}", {b: round(p["tokens_per_s"], 1) for b, p in systems[f"k={k}"].items()},
+                  flush=True)
+        summary = summarize(systems, ks, batches)
+        if not all(summary["targets_met"].values()):
+            summary["profile_k1_batch1"] = profile_step(model_dir, prompts, args.max_tokens)
+        for points in systems.values():
+            for p in points.values():
+                p.pop("token_ids")
+        results[arch] = {"systems": systems, "summary": summary}
+        md.append(markdown(arch, systems, summary, ks, batches))
+        print(md[-1], flush=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    (args.out_dir / "results.json").write_text(json.dumps({"settings": settings, "results": results}, indent=2))
+    (args.out_dir / "results.md").write_text("# Engine benchmark\n\n" + json.dumps(settings) + "\n\n" + "\n".join(md))
+    plot(results, batches, args.out_dir / "speedup.png")
+    print(f"wrote {args.out_dir}/results.json, results.md, speedup.png")
+
+
+if __name__ == "__main__":
+    main()
