@@ -59,9 +59,15 @@ class WorkerHealthServer:
                 elif path == "/metrics":
                     self._send(200, generate_latest(owner.registry), CONTENT_TYPE_LATEST)
                 else:
-                    message = {"error": f"{path}: a worker rank serves only /health and /metrics; "
-                                        f"send API requests to rank 0"}
-                    self._send(404, json.dumps(message).encode(), "application/json")
+                    self._not_here(path)
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._not_here(self.path.split("?")[0])
+
+            def _not_here(self, path: str) -> None:
+                message = {"error": f"{path}: a worker rank serves only /health and /metrics; "
+                                    f"send API requests to rank 0"}
+                self._send(404, json.dumps(message).encode(), "application/json")
 
             def _send(self, code: int, body: bytes, content_type: str) -> None:
                 self.send_response(code)

@@ -24,12 +24,10 @@ def _free_port() -> int:
 class RankProcess:
     """A rank's process plus a reader thread, so waiting never blocks on a pipe."""
 
-    def __init__(self, script: Path, *args: object) -> None:
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(script), *map(str, args)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), OMP_NUM_THREADS="1",
+                   **(env or {}))
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -74,13 +72,25 @@ def free_port() -> int:
 
 @pytest.fixture
 def start_rank():
-    """start_rank(*args) -> RankProcess running rank_process.py; all killed at teardown."""
+    """start_rank(*args) -> RankProcess running rank_process.py (or `script`); all killed at teardown.
+    start_rank(*args, module="mtp_runtime") runs `python -m mtp_runtime *args` instead."""
     started: list[RankProcess] = []
 
-    def start(*args: object, script: Path = RANK_SCRIPT) -> RankProcess:
-        started.append(RankProcess(script, *args))
+    def start(*args: object, script: Path = RANK_SCRIPT, module: str | None = None,
+              env: dict[str, str] | None = None) -> RankProcess:
+        head = ["-m", module] if module else [str(script)]
+        started.append(RankProcess([sys.executable, *head, *map(str, args)], env))
         return started[-1]
 
     yield start
     for rank in started:
         rank.kill()
+
+
+@pytest.fixture(scope="session")
+def tiny_dsv3(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 checkpoint with its MTP layer, from `mtp make-tiny`."""
+    out = tmp_path_factory.mktemp("multinode") / "tiny-dsv3"
+    subprocess.run([sys.executable, "-m", "mtp_runtime", "make-tiny", "--arch", "deepseek_v3", "--out", str(out)],
+                   check=True, capture_output=True)
+    return out
