@@ -5,7 +5,8 @@
     status["gang"] = decision.record
 
 `record` is the previous `status.gang` dict: `members` maps rank -> "uid/restarts"
-of the group that last came up complete. When some members changed (a container
+of the group that last came up complete; `retired` lists the uids a restart
+deleted, so a lagging view of them never becomes the next baseline. When some members changed (a container
 restarted, a pod was replaced) while others kept running, the survivors hold
 stale collective state, so the whole group restarts — after a backoff that
 doubles with every restart, and at most `budget` times per spec generation;
@@ -54,7 +55,8 @@ def empty_record() -> dict:
 def evaluate_gang(record: dict | None, ranks: list[RankObservation], *, nnodes: int, now: float,
                   budget: int, backoff: float) -> GangDecision:
     record = {**empty_record(), **(record or {})}
-    live = {r.rank: r for r in ranks if not r.terminating and r.current}
+    retired = set(record.get("retired", []))  # pods we deleted; the watch may still list them
+    live = {r.rank: r for r in ranks if not r.terminating and r.current and r.uid not in retired}
     if len(live) < nnodes or any(rank not in live for rank in range(nnodes)):
         return GangDecision(False, record)  # group incomplete: wait until every rank exists again
     current = {str(rank): _member(live[rank]) for rank in range(nnodes)}
@@ -63,7 +65,7 @@ def evaluate_gang(record: dict | None, ranks: list[RankObservation], *, nnodes: 
     survivors = [rank for rank in current if rank not in changed]
     if not members or not changed or not survivors or nnodes == 1:
         # First complete group, nothing new, or the whole group was replaced together.
-        return GangDecision(False, {**record, "members": current})
+        return GangDecision(False, {**{k: v for k, v in record.items() if k != "retired"}, "members": current})
     message = f"rank(s) {', '.join(changed)} restarted or were replaced while {', '.join(survivors)} kept running"
     if record["restarts"] >= budget:
         return GangDecision(False, {**record, "reason": REASON_BUDGET_EXHAUSTED}, REASON_BUDGET_EXHAUSTED,
@@ -75,5 +77,5 @@ def evaluate_gang(record: dict | None, ranks: list[RankObservation], *, nnodes: 
         return GangDecision(False, {**record, "reason": REASON_BACKOFF}, REASON_BACKOFF,
                             f"{message}; next group restart after {wait:.0f}s backoff")
     new_record = {"members": {}, "restarts": record["restarts"] + 1, "lastRestartTime": _rfc3339(now),
-                  "reason": REASON_MEMBER_RESTARTED}
+                  "reason": REASON_MEMBER_RESTARTED, "retired": sorted(r.uid for r in live.values())}
     return GangDecision(True, new_record, REASON_MEMBER_RESTARTED, f"{message}; restarting the whole group")

@@ -86,12 +86,16 @@ def build_registry(settings: OperatorSettings,
             cluster = Cluster(state["kube"], settings, list(mtp_jobs.get(key, [])), list(mtp_pods.get(key, [])),
                               list(mtp_statefulsets.get(key, [])))
             stats = memo.pop("fresh_stats", None)
-            outcome = reconcile(body, cluster, stats, time.time())
+            # A handler's body can predate the status this process wrote a moment ago (a timer that
+            # waited for the lock, a watch event still in flight): decide from the newest we know.
+            known = memo.get("status") or dict(body.get("status") or {})
+            outcome = reconcile({**body, "status": known}, cluster, stats, time.time())
+            memo["status"] = outcome.status
         old = dict(body.get("status") or {})
         changes = status_changes(old, outcome.status)
         for field_name, value in changes.items():
             patch.status[field_name] = value
-        change = phase_event(old, outcome.status)
+        change = phase_event(known, outcome.status)
         for event_type, reason, message in outcome.events + ([change] if change else []):
             state["kube"].post_event(body, reason, message, event_type)
 

@@ -48,6 +48,7 @@ class GangStatus(ApiModel):
 
     members: dict[str, str] = Field(default_factory=dict, description="rank -> pod uid/restart count.")
     restarts: int = 0
+    retired: list[str] = Field(default_factory=list, description="Pod uids deleted by the last restart.")
     last_restart_time: str | None = None
     reason: str | None = None
 

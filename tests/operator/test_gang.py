@@ -72,3 +72,13 @@ def test_terminating_and_stale_pods_do_not_count():
     assert not decide(base, observed).restart
     observed = [RankObservation(0, "a", 0, True), RankObservation(1, "b2", 0, True, current=False)]
     assert not decide(base, observed).restart
+
+
+def test_deleted_members_never_become_the_next_baseline():
+    base = decide(None, ranks(("a", 0), ("b", 0))).record
+    restarted = decide(base, ranks(("a", 0), ("b", 1)))
+    assert restarted.restart and restarted.record["retired"] == ["a", "b"]
+    lagging = decide(restarted.record, ranks(("a", 0), ("b", 1)))  # the watch still shows the old pods
+    assert not lagging.restart and lagging.record["members"] == {}
+    fresh = decide(lagging.record, ranks(("c", 0), ("d", 0)))
+    assert fresh.record["members"] == {"0": "c/0", "1": "d/0"} and "retired" not in fresh.record

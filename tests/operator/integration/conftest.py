@@ -176,7 +176,7 @@ class Cluster:
             "containerStatuses": [{"name": "server", "restartCount": restarts, "ready": ready}]}})
 
     def requests(self, method: str, path_part: str) -> list:
-        return [r for r in self.server.requests if r.method == method and path_part in str(r.url.path)]
+        return [r for r in list(self.server) if r.method == method and path_part in str(r.url.path)]
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:

@@ -77,3 +77,106 @@ async def test_export_then_group_then_running_with_acceptance(cluster, runtime):
 
 def cluster_ns() -> str:
     return "default"
+
+
+async def test_export_failure_reports_message_and_creates_no_statefulset(cluster, runtime):
+    await cluster.create_cr("bad", spec(runtime.port))
+    job = (await wait(lambda: cluster.list("batch/v1/jobs"), "the export job"))[0]
+    await cluster.finish_job(job["metadata"]["name"], succeeded=False,
+                             message="mtp export: model.layers.61.eh_proj.weight missing in the index")
+    await wait(lambda: cluster.cr("bad").get("status", {}).get("phase") == "Failed", "phase Failed")
+    draft = condition(cluster.cr("bad"), "DraftReady")
+    assert draft["status"] == "False" and draft["reason"] == "ExportFailed"
+    assert "eh_proj.weight missing" in draft["message"]
+    await asyncio.sleep(0.6)  # a few more reconciles: still no group
+    assert not cluster.list("apps/v1/statefulsets")
+    warnings = [e for e in cluster.list("v1/events") if e["reason"] == "PhaseFailed"]
+    assert warnings and warnings[0]["type"] == "Warning"
+
+
+async def _running_group(cluster, runtime, name="ds", **changes):
+    await cluster.create_cr(name, spec(runtime.port, export=None, draftModel={"path": "/models/ds-mtp"}, **changes))
+    await wait(lambda: len(cluster.list("v1/pods")) == cluster.cr(name)["spec"]["nnodes"], "rank pods")
+    for pod in cluster.list("v1/pods"):
+        await cluster.set_pod(pod["metadata"]["name"], ready=True)
+    await wait(lambda: cluster.cr(name).get("status", {}).get("phase") == "Running", "phase Running")
+    assert not cluster.list("batch/v1/jobs")  # draftModel given: nothing to export
+
+
+async def test_gang_restart_when_one_rank_restarts(cluster, runtime):
+    await _running_group(cluster, runtime)
+    await wait(lambda: cluster.cr("ds")["status"].get("gang", {}).get("members"), "gang baseline")
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.list("v1/pods")}
+    await cluster.set_pod("ds-1", ready=False, restarts=1)  # rank 1's container restarted alone
+    await wait(lambda: cluster.cr("ds")["status"].get("gang", {}).get("restarts") == 1, "a gang restart")
+    assert cluster.requests("DELETE", "/pods") and not cluster.requests("DELETE", "/pods/")
+    after = await wait(lambda: len(cluster.list("v1/pods")) == 2 and
+                       {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.list("v1/pods")}, "new pods")
+    assert all(after[name] != uid for name, uid in before.items()), "every rank was recreated, not only rank 1"
+    for pod in ("ds-0", "ds-1"):
+        await cluster.set_pod(pod, ready=True)
+    await wait(lambda: cluster.cr("ds")["status"]["phase"] == "Running", "Running again")
+    assert any(e["reason"] == "GangRestart" for e in cluster.list("v1/events"))
+
+
+def _baseline_is_current(cluster) -> bool:
+    pods = cluster.list("v1/pods")
+    members = cluster.cr("ds")["status"].get("gang", {}).get("members", {})
+    current = {p["metadata"]["labels"][c.LABEL_POD_INDEX]:
+               f"{p['metadata']['uid']}/{p['status']['containerStatuses'][0]['restartCount']}" for p in pods}
+    return len(pods) == 2 and members == current
+
+
+async def test_gang_restart_budget_exhausted_fails(cluster, runtime):
+    await _running_group(cluster, runtime)
+    for attempt in range(1, 4):
+        await wait(lambda: _baseline_is_current(cluster), "the gang baseline of the current pods")
+        await cluster.set_pod("ds-1", ready=True, restarts=attempt)
+        if attempt <= 2:  # budget 2 in the test settings
+            await wait(lambda: cluster.cr("ds")["status"]["gang"]["restarts"] == attempt, f"restart {attempt}")
+            await wait(lambda: len(cluster.list("v1/pods")) == 2 and not any(
+                p["status"]["containerStatuses"][0]["restartCount"] for p in cluster.list("v1/pods")),
+                "recreated pods")
+            for pod in ("ds-0", "ds-1"):
+                await cluster.set_pod(pod, ready=True)
+    await wait(lambda: cluster.cr("ds")["status"]["phase"] == "Failed", "Failed after the budget")
+    assert condition(cluster.cr("ds"), "Ready")["reason"] == "GangRestartBudgetExhausted"
+    assert cluster.cr("ds")["status"]["gang"]["restarts"] == 2
+
+
+async def test_spec_update_rolls_the_whole_group(cluster, runtime):
+    await _running_group(cluster, runtime)
+    old_hash = cluster.get("apps/v1/statefulsets", "ds")["metadata"]["annotations"][c.ANNOTATION_TEMPLATE_HASH]
+    await cluster.patch_cr("ds", {"spec": {"image": "example.com/mtp/runtime:2", "nnodes": 3}})
+    sts = await wait(lambda: (s := cluster.get("apps/v1/statefulsets", "ds")) and
+                     s["metadata"]["annotations"][c.ANNOTATION_TEMPLATE_HASH] != old_hash and s, "patched sts")
+    assert sts["spec"]["replicas"] == 3
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "example.com/mtp/runtime:2"
+    new_hash = sts["metadata"]["annotations"][c.ANNOTATION_TEMPLATE_HASH]
+    pods = await wait(lambda: (ps := cluster.list("v1/pods")) and len(ps) == 3 and
+                      all(p["metadata"]["labels"][c.LABEL_TEMPLATE_HASH] == new_hash for p in ps) and ps,
+                      "three pods on the new template")
+    assert "--nnodes=3" in pods[0]["spec"]["containers"][0]["args"]
+    # One collection delete of every pod on the old template: the group rolls together.
+    assert any(f"{c.LABEL_TEMPLATE_HASH}!={new_hash}" in r.params.get("labelSelector", "")
+               for r in cluster.requests("DELETE", "/pods"))
+    for pod in pods:
+        await cluster.set_pod(pod["metadata"]["name"], ready=True)
+    await wait(lambda: cluster.cr("ds")["status"]["phase"] == "Running"
+               and cluster.cr("ds")["status"]["observedGeneration"] == 2, "Running at generation 2")
+    assert cluster.cr("ds")["status"]["nodes"] == "3/3"
+    assert cluster.cr("ds")["spec"]["image"] == "example.com/mtp/runtime:2"  # spec never rewritten
+
+
+async def test_operator_restart_mid_export_creates_no_second_job(cluster, runtime):
+    await cluster.create_cr("ds", spec(runtime.port))
+    job = (await wait(lambda: cluster.list("batch/v1/jobs"), "the export job"))[0]
+    await asyncio.sleep(0.3)
+    await cluster.operator.stop()
+    posts_before = len(cluster.requests("POST", "/jobs"))
+    await cluster.operator.start()
+    await asyncio.sleep(0.8)  # resume handler + several timer reconciles
+    assert [j["metadata"]["name"] for j in cluster.list("batch/v1/jobs")] == [job["metadata"]["name"]]
+    assert len(cluster.requests("POST", "/jobs")) == posts_before, "the restarted operator posted a Job again"
+    await cluster.finish_job(job["metadata"]["name"], succeeded=True)
+    await wait(lambda: cluster.get("apps/v1/statefulsets", "ds"), "the statefulset after the restart")
