@@ -20,6 +20,7 @@ from typing import Sequence
 BUILTIN_COMMANDS: dict[str, str] = {
     "make-tiny": "mtp_runtime.commands.make_tiny",
     "export": "mtp_runtime.commands.export",
+    "generate": "mtp_runtime.commands.generate",
     "serve": "mtp_runtime.commands.serve",
     "bench": "mtp_runtime.commands.bench",
 }

@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sizes.add_argument(f"--{flag}", dest=key, type=kind, default=None, help=f"config.json {key}{only}")
     sizes.add_argument("--use-qk-norm", dest="use_qk_norm", action="store_true", default=None,
                        help="config.json use_qk_norm (glm4_moe only)")
+    train = parser.add_argument_group("training (main model + MTP jointly, on the standard library's sources)")
+    train.add_argument("--preset", choices=("bench",), default=None,
+                       help="bench: deep-and-narrow MoE benchmark model, trained (size flags still override)")
+    train.add_argument("--train-steps", type=int, default=None, help="train for N steps (cached by arguments)")
+    train.add_argument("--train-seq-len", type=int, default=128, help="tokens per training window")
+    train.add_argument("--train-batch", type=int, default=16, help="windows per step")
+    train.add_argument("--mtp-loss-weight", type=float, default=0.3, help="lambda of the MTP loss")
 
 
 def size_overrides(args: argparse.Namespace) -> dict:
@@ -86,16 +93,28 @@ def run(args: argparse.Namespace) -> int:
     from mtp_runtime.checkpoint.random_init import RandomTensors
     from mtp_runtime.checkpoint.tokenizer import build_tokenizer, style_for_arch
     from mtp_runtime.checkpoint.writer import write_checkpoint
+    from mtp_runtime import train
 
     try:
-        config = build_config(args.arch, **size_overrides(args))
+        preset = train.bench_sizes(args.arch) if args.preset == "bench" else {}
+        config = build_config(args.arch, **{**preset, **size_overrides(args)})
         tokenizer_dir = build_tokenizer(config["vocab_size"], style_for_arch(args.arch))
-        write_checkpoint(args.out, config, RandomTensors(config, args.seed), tokenizer_dir,
-                         shards=args.shards, fp8=args.fp8, overwrite=args.force)
-    except (ValueError, CheckpointError) as e:
+        steps = args.train_steps if args.train_steps is not None else (
+            train.BENCH_TRAIN.steps if args.preset == "bench" else 0)
+        if steps:
+            opts = train.TrainOptions(steps=steps, seq_len=args.train_seq_len, batch=args.train_batch,
+                                      mtp_loss_weight=args.mtp_loss_weight, seed=args.seed,
+                                      threads=train.BENCH_TRAIN.threads if args.preset == "bench" else 1)
+            cached = train.trained_checkpoint(config, tokenizer_dir, opts, args.shards, args.fp8, train.stderr_log)
+            train.copy_checkpoint(cached, args.out, overwrite=args.force)
+        else:
+            write_checkpoint(args.out, config, RandomTensors(config, args.seed), tokenizer_dir,
+                             shards=args.shards, fp8=args.fp8, overwrite=args.force)
+    except (ValueError, CheckpointError, FileExistsError) as e:
         print(f"mtp make-tiny: error: {e}", file=sys.stderr)
         return 1
     print(f"{args.out}: {args.arch} checkpoint, {config['num_hidden_layers']} layers + "
           f"{config['num_nextn_predict_layers']} MTP, vocab {config['vocab_size']}"
-          f"{', fp8' if args.fp8 else ''}, {args.shards} shard(s)")
+          f"{', fp8' if args.fp8 else ''}, {args.shards} shard(s)"
+          f"{f', trained {steps} steps' if steps else ''}")
     return 0

@@ -38,6 +38,7 @@ class TopkRouter(nn.Module):
         # Selection bias learned outside the gradient (aux-loss-free balancing); not trained here.
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                     requires_grad=False)
+        self.last_load: torch.Tensor | None = None  # tokens per expert of the last training batch
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k])."""
@@ -52,6 +53,8 @@ class TopkRouter(nn.Module):
         expert_keep = group_keep.unsqueeze(-1).expand_as(grouped).reshape(-1, cfg.n_routed_experts)
         choice = choice.masked_fill(~expert_keep, float("-inf"))
         ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        if self.training:
+            self.last_load = torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts)
         weights = scores.gather(1, ids)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

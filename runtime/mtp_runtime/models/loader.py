@@ -137,8 +137,8 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
                parallel: ParallelState | None = None) -> CausalLM:
     """The main model of a checkpoint (MTP layers, if present, are left for load_draft)."""
+    config = ModelConfig.from_dir(model_dir)
     index = CheckpointIndex(model_dir)
-    config = ModelConfig.from_dict(index.config, source=str(Path(model_dir) / "config.json"))
     if config.is_mtp:
         raise LoadError(f"{model_dir}: model_type {config.model_type} is a draft module; load it with "
                         f"--draft_model, and give --model the main checkpoint")
@@ -158,8 +158,8 @@ def load_draft(model_dir: str | Path, main: CausalLM | None = None, dtype: torch
     """The MTP module from an exported draft directory (model_type *_mtp) or from the main checkpoint
     (its first MTP layer, model.layers.{num_hidden_layers}). Missing shared_head.head / embed_tokens
     fall back to `main`'s lm_head / embedding."""
+    config = ModelConfig.from_dir(model_dir)
     index = CheckpointIndex(model_dir)
-    config = ModelConfig.from_dict(index.config, source=str(Path(model_dir) / "config.json"))
     names = _draft_names(index, config)
     if not names:
         raise LoadError(f"{model_dir}: no MTP layer found (expected model.layers.{config.num_hidden_layers}.* "
@@ -202,6 +202,36 @@ def _draft_names(index: CheckpointIndex, config: ModelConfig) -> dict[str, str]:
             continue  # main-model tensors (and further MTP layers) are not the draft's
         names[name] = rel if rel.startswith(_DRAFT_OWN) else "layer." + rel
     return names
+
+
+def checkpoint_tensors(model: CausalLM, draft: MtpDraft | None = None) -> dict[str, torch.Tensor]:
+    """Parameters under their published checkpoint names (experts unstacked; the draft as the
+    first MTP layer, model.layers.{num_hidden_layers}.*), in float32."""
+    out = _unstack(dict(model.named_parameters()), "")
+    if draft is not None:
+        prefix = f"model.layers.{model.config.mtp_layer_index}."
+        for name, tensor in _unstack(dict(draft.named_parameters()), "").items():
+            out[prefix + (name[len("layer."):] if name.startswith("layer.") else name)] = tensor
+    return out
+
+
+def _unstack(params: dict[str, nn.Parameter], prefix: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in params.items():
+        data = param.detach().float()
+        if name.endswith(".experts.w13"):
+            base = name[: -len("w13")]
+            for e, w in enumerate(data):
+                gate, up = w.chunk(2)
+                out[f"{prefix}{base}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}{base}{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith(".experts.w2"):
+            base = name[: -len("w2")]
+            for e, w in enumerate(data):
+                out[f"{prefix}{base}{e}.down_proj.weight"] = w.contiguous()
+        else:
+            out[prefix + name] = data
+    return out
 
 
 def _raise_missing(index: CheckpointIndex, missing: list[str]) -> None:

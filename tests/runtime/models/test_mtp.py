@@ -1,0 +1,132 @@
+"""The MTP draft module against a direct re-computation of
+h' = eh_proj([enorm(embed(t+1)); hnorm(h)]) -> decoder layer -> shared_head.norm -> shared_head.head,
+with the decoder layer taken from transformers and the rest written out here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from mtp_runtime.checkpoint.draft_layout import draft_config, draft_name
+from mtp_runtime.layers.attention import AttentionMetadata
+from mtp_runtime.models.loader import LoadError, load_draft, load_model
+
+DECODER_LAYERS = {
+    "deepseek_v3": transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer,
+    "deepseek_v32": transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32DecoderLayer,
+    "glm4_moe": transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer,
+}
+OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_draft(path, ref_model, read_dense_state, fuse_experts):
+    """A function (next_ids [n], hidden [n, H]) -> draft logits [n, V] over positions 0..n-1."""
+    config, state = read_dense_state(path)
+    L, eps = config["num_hidden_layers"], config["rms_norm_eps"]
+    p = f"model.layers.{L}."
+    mtp = {k[len(p):]: v for k, v in state.items() if k.startswith(p)}
+    hf_config = ref_model.config
+    if hasattr(hf_config, "mlp_layer_types"):
+        hf_config.mlp_layer_types = list(hf_config.mlp_layer_types) + ["sparse"]
+    layer = DECODER_LAYERS[ref_model.config.model_type.replace("_mtp", "")](hf_config, L).float().eval()
+    fused = fuse_experts({"x." + k: v for k, v in mtp.items() if not k.startswith(OWN)}, config)
+    layer.load_state_dict({k[2:]: v for k, v in fused.items()})
+
+    def run(next_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        n = next_ids.shape[0]
+        e = rms(mtp["embed_tokens.weight"][next_ids], mtp["enorm.weight"], eps)
+        x = torch.cat([e, rms(hidden, mtp["hnorm.weight"], eps)], dim=-1) @ mtp["eh_proj.weight"].T
+        positions = torch.arange(n)[None]
+        pos_emb = ref_model.model.rotary_emb(x[None], positions)
+        mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
+        out = layer(x[None], attention_mask=mask, position_embeddings=pos_emb, position_ids=positions)
+        out = out[0] if isinstance(out, tuple) else out
+        return rms(out[0], mtp["shared_head.norm.weight"], eps) @ mtp["shared_head.head.weight"].T
+
+    return run
+
+
+def new_caches(module, blocks: int = 16, block_size: int = 4):
+    return [{k: torch.zeros(blocks, block_size, *s) for k, s in spec.items()} for spec in module.kv_cache_spec()]
+
+
+def main_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.forward_batched(ids[None])[0]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "glm4_moe"])
+def test_draft_matches_recomputation_including_reuse(tiny_dirs, reference_model, checkpoint_state, arch):
+    path = tiny_dirs[arch]
+    model = load_model(path)
+    draft = load_draft(path, model)
+    reference = reference_draft(path, reference_model(path), *checkpoint_state)
+    ids = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(4))
+    n = 16  # > index_topk (12) for V3.2
+    hidden = main_hidden(model, ids)
+    with torch.no_grad():
+        caches = new_caches(draft)
+        # prefill over positions 0..n-1: inputs t_1..t_n, hiddens h_0..h_{n-1}
+        out = draft(ids[1:n + 1], hidden[:n], torch.arange(n), caches, AttentionMetadata.for_sequence(0, n, 4))
+        logits = draft.compute_logits(out)
+        expected = reference(ids[1:n + 1], hidden[:n])
+        assert (logits - expected).abs().max().item() <= 1e-4
+        # reuse for draft position 2: input = its own guess, hidden = its own shared_head.norm output
+        guess = logits[-1:].argmax(-1)
+        out2 = draft(guess, out[-1:], torch.tensor([n]), caches, AttentionMetadata.for_sequence(n, 1, 4))
+        expected2 = reference(torch.cat([ids[1:n + 1], guess]), torch.cat([hidden[:n], out[-1:]]))[-1:]
+        assert (draft.compute_logits(out2) - expected2).abs().max().item() <= 1e-4
+
+
+def write_exported(src, dst):
+    """The `mtp export` layout of src's MTP layer, written directly with safetensors."""
+    from mtp_runtime.checkpoint.index import CheckpointIndex
+
+    index = CheckpointIndex(src)
+    tensors = {}
+    for name in index.names():
+        renamed = draft_name(name, index.config)
+        if renamed is not None:
+            tensors[renamed] = index.read(name)
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    arch = "deepseek_v32" if "index_topk" in index.config else index.config["model_type"]
+    (dst / "config.json").write_text(json.dumps(draft_config(index.config, arch, None)))
+    return dst
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm4_moe"])
+def test_exported_directory_loads_the_same_draft(tiny_dirs, tmp_path, arch):
+    model = load_model(tiny_dirs[arch])
+    from_main = load_draft(tiny_dirs[arch], model)
+    exported = load_draft(write_exported(tiny_dirs[arch], tmp_path / "draft"), model)
+    assert exported.config.is_mtp and exported.config.model_type == f"{arch}_mtp"
+    ids = torch.randint(3, 512, (14,), generator=torch.Generator().manual_seed(6))
+    hidden = main_hidden(model, ids)
+    with torch.no_grad():
+        a = from_main.compute_logits(from_main.forward_batched(ids[None, 1:], hidden[None, :-1]))
+        b = exported.compute_logits(exported.forward_batched(ids[None, 1:], hidden[None, :-1]))
+    assert torch.equal(a, b)
+
+
+def test_missing_shared_head_falls_back_to_main_lm_head(tmp_path, tiny_writer):
+    path = tiny_writer(tmp_path / "nohead", "deepseek_v3", drop=("model.layers.3.shared_head.head.weight",))
+    with pytest.raises(LoadError, match="shared_head.head"):
+        load_draft(path)  # without the main model there is nothing to share
+    model = load_model(path)
+    draft = load_draft(path, model)
+    assert draft.shared_head.head is model.lm_head
+    ids = torch.randint(3, 512, (8,), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = draft.forward_batched(ids[None, 1:], main_hidden(model, ids)[None, :-1])
+        logits = draft.compute_logits(out)
+    assert torch.isfinite(logits).all()
+    assert torch.equal(logits, model.compute_logits(out))
