@@ -128,7 +128,8 @@ def test_two_ranks_on_loopback_restart_together_and_stop_on_sigterm(models_dir, 
     exported_before = manifest.stat().st_mtime_ns if manifest.exists() else None
     proc = subprocess.Popen(
         [sys.executable, "-m", "mtp_runtime", "up", str(cr), "--models-dir", str(models_dir),
-         "--log-dir", str(tmp_path / "logs"), "--status-file", str(status_file), "--restart-backoff", "0.2"],
+         "--log-dir", str(tmp_path / "logs"), "--status-file", str(status_file), "--restart-backoff", "0.2",
+         "--grace-period", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

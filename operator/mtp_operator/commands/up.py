@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whole-group restarts allowed (default: the operator's gang restart budget)")
     parser.add_argument("--restart-backoff", type=float, default=None,
                         help="seconds before the first group restart, doubling each time (default: the operator's)")
+    parser.add_argument("--grace-period", type=float, default=15.0,
+                        help="seconds a rank gets to exit after SIGTERM on shutdown before it is killed (default 15)")
     parser.add_argument("--make-model-only", action="store_true",
                         help="only build a missing model from the make-tiny annotation, then exit")
 
@@ -128,7 +130,7 @@ def prepare(args: argparse.Namespace):
         status_file=args.status_file,
         restart_budget=settings.gang_restart_budget if args.restart_budget is None else args.restart_budget,
         restart_backoff=settings.gang_restart_backoff if args.restart_backoff is None else args.restart_backoff,
-        generation=int(metadata.get("generation") or 1),
+        grace_seconds=args.grace_period, generation=int(metadata.get("generation") or 1),
     )
     return LocalDeployment(metadata["name"], spec, plan, export_process(plan, paths), rank_processes(plan, paths),
                            options, out=lambda line: print(line, flush=True))

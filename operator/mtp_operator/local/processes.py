@@ -114,22 +114,27 @@ class ProcessGroup:
         return self.restart_backoff * (2**self.restarts)
 
     def restart(self, sleep=time.sleep) -> None:
-        """Whole-group restart: stop every member, back off, start them all."""
+        """Whole-group restart: kill every member, back off, start them all.
+
+        No grace period, like the operator's gang restart (pods deleted with
+        grace 0): the survivors hold collective state that is already broken.
+        """
         if not self.can_restart():
             raise RuntimeError(f"restart budget of {self.restart_budget} spent")
-        self.stop()
+        self.stop(grace_seconds=0)
         sleep(self.next_backoff())
         self.restarts += 1
         self.start()
 
-    def stop(self) -> dict[str, int]:
+    def stop(self, grace_seconds: float | None = None) -> dict[str, int]:
         """Stop every member (SIGTERM, then SIGKILL after the grace period)."""
+        grace = self.grace_seconds if grace_seconds is None else grace_seconds
         for proc in self._procs.values():
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        codes = {name: terminate(proc, self.grace_seconds) for name, proc in self._procs.items()}
+        codes = {name: terminate(proc, grace) for name, proc in self._procs.items()}
         self._procs.clear()
         return codes

@@ -85,7 +85,8 @@ def test_group_starts_probes_and_stops(tmp_path):
 
 def test_one_rank_exiting_restarts_the_whole_group(tmp_path):
     ports = free_ports(2)
-    members = [rank("rank-0", ports[0]), rank("rank-1", ports[1], EXIT_AFTER="0.3", EXIT_CODE="7")]
+    # rank-0 ignores SIGTERM: a restart must not wait out the grace period.
+    members = [rank("rank-0", ports[0], STUBBORN="1"), rank("rank-1", ports[1], EXIT_AFTER="0.3", EXIT_CODE="7")]
     group = ProcessGroup(members, tmp_path, restart_budget=1, restart_backoff=0.01, grace_seconds=5)
     group.start()
     try:
@@ -97,8 +98,11 @@ def test_one_rank_exiting_restarts_the_whole_group(tmp_path):
         assert "rank giving up" in crash.log_tail
         before = group.pids()
         slept = []
+        restart_started = time.monotonic()
         group.restart(sleep=slept.append)
         assert slept == [0.01] and group.restarts == 1
+        # Killed at once (grace 0), not given the 5 s grace of a shutdown.
+        assert time.monotonic() - restart_started < 4
         after = group.pids()
         # The healthy rank was restarted too: a group never loses one member.
         assert set(before.values()).isdisjoint(after.values())
@@ -108,7 +112,7 @@ def test_one_rank_exiting_restarts_the_whole_group(tmp_path):
         with pytest.raises(RuntimeError, match="budget of 1"):
             group.restart(sleep=slept.append)
     finally:
-        group.stop()
+        group.stop(grace_seconds=0)
 
 
 def test_backoff_doubles(tmp_path):
