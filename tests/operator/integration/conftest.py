@@ -11,6 +11,7 @@ themselves, as the kubelet and the Job controller would.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 import threading
@@ -50,10 +51,32 @@ def _matches(labels: dict[str, str], selector: str) -> bool:
     return True
 
 
+def _json_patch(doc: dict, ops: list[dict]) -> dict:
+    """RFC 6902 subset kopf uses for finalizers: test, add, replace, remove."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        *parents, last = op["path"].split("/")[1:]
+        node: Any = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        if op["op"] == "test" and (node.get(last) if isinstance(node, dict) else node[int(last)]) != op["value"]:
+            raise ValueError(op["path"])
+        if op["op"] in ("add", "replace"):
+            if isinstance(node, list):
+                node.append(op["value"]) if last == "-" else node.insert(int(last), op["value"])
+            else:
+                node[last] = op["value"]
+        elif op["op"] == "remove":
+            del node[int(last) if isinstance(node, list) else last]
+    return doc
+
+
 class ApiServer(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is not None and request.method == "DELETE" and request.name is None:
             return await self._delete_collection(request)
+        if request.resource is not None and request.method == "PATCH" and isinstance(request.data, list):
+            return await self._json_patch(request)
         if request.resource is not None and isinstance(request.data, dict):
             self._fill_server_fields(request)
         return await super()._handle(request)
@@ -74,6 +97,23 @@ class ApiServer(kmock.KubernetesEmulator):
                 old = self.objects[key].raw
                 if patch_dict(json.loads(json.dumps(old.get("spec", {}))), request.data["spec"]) != old.get("spec"):
                     meta["generation"] = old["metadata"].get("generation", 1) + 1
+
+    async def _json_patch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                return aiohttp.web.json_response({"kind": "Status", "code": 404}, status=404)
+            try:
+                new = _json_patch(self.objects[key].raw, request.data)
+            except ValueError as exc:
+                return aiohttp.web.json_response({"kind": "Status", "code": 422, "message": str(exc)}, status=422)
+            new["metadata"]["resourceVersion"] = str(next(_versions))
+            self.objects[key].create(new)
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": new})
+            if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+                self.objects[key].delete()  # the last finalizer is gone: the deletion completes
+                await self._buses[request.resource].put({"type": "DELETED", "object": new})
+        return aiohttp.web.json_response(new)
 
     async def _delete_collection(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         selector = request.params.get("labelSelector", "")

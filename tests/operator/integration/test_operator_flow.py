@@ -180,3 +180,15 @@ async def test_operator_restart_mid_export_creates_no_second_job(cluster, runtim
     assert len(cluster.requests("POST", "/jobs")) == posts_before, "the restarted operator posted a Job again"
     await cluster.finish_job(job["metadata"]["name"], succeeded=True)
     await wait(lambda: cluster.get("apps/v1/statefulsets", "ds"), "the statefulset after the restart")
+
+
+async def test_delete_releases_the_resource_and_children_are_owned(cluster, runtime):
+    await _running_group(cluster, runtime)
+    await wait(lambda: cluster.cr("ds").get("metadata", {}).get("finalizers"), "kopf's finalizer (timers)")
+    uid = cluster.cr("ds")["metadata"]["uid"]
+    for resource in ("apps/v1/statefulsets", "v1/services"):
+        for child in cluster.list(resource):
+            owner = child["metadata"]["ownerReferences"][0]
+            assert owner["uid"] == uid and owner["controller"] is True  # the API server's GC deletes them
+    await cluster.request("DELETE", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/default/{c.PLURAL}/ds")
+    await wait(lambda: not cluster.cr("ds"), "the MtpDeployment to be gone (finalizer released)")
