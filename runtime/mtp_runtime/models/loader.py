@@ -19,8 +19,12 @@ from torch import nn
 from mtp_runtime.checkpoint.fp8 import dequantize_fp8_blocks
 from mtp_runtime.checkpoint.index import CheckpointIndex
 from mtp_runtime.checkpoint.naming import SCALE_SUFFIX, layer_index
+from mtp_runtime.checkpoint.safetensors_io import TensorInfo, read_tensor
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState
+from mtp_runtime.layers.embedding import VocabParallelEmbedding
+from mtp_runtime.layers.linear import ColumnParallelLinear
+from mtp_runtime.layers.moe import RoutedExperts
 from mtp_runtime.models.decoder import CausalLM
 from mtp_runtime.models.mtp import MtpDraft
 from mtp_runtime.models.registry import build_draft, build_model
@@ -59,7 +63,20 @@ def map_name(arch: str, name: str) -> tuple[str, dict[str, Any]]:
     return name, {}
 
 
-def _read(index: CheckpointIndex, name: str) -> torch.Tensor:
+def _read(index: CheckpointIndex, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The checkpoint tensor in float32. With `rows` (start, size) only those rows of dim 0 are
+    read from disk (this rank's tensor-parallel shard); the rest of the full-shape result is NaN,
+    and the weight loader, which takes the same rows, never copies it."""
+    info = index.info(name)
+    if rows is not None and not info.dtype.startswith("F8") and len(info.shape) >= 1 \
+            and rows[0] + rows[1] <= info.shape[0]:
+        start, size = rows
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        part = read_tensor(index.shard_path(name), name, TensorInfo(
+            info.dtype, (size, *info.shape[1:]), info.start + start * row_bytes, info.start + (start + size) * row_bytes))
+        full = torch.full(info.shape, float("nan"), dtype=torch.float32)
+        full[start:start + size] = part.float()
+        return full
     tensor = index.read(name)
     if tensor.dtype == torch.float8_e4m3fn:
         scale = name[: -len(".weight")] + SCALE_SUFFIX
@@ -80,16 +97,35 @@ def _load_tensors(module: nn.Module, index: CheckpointIndex, arch: str, names: d
             if param is None:
                 raise LoadError(f"{index.model_dir}: unexpected tensor {ckpt_name} (no {param_name} in the "
                                 f"{type(module).__name__} built from config.json)")
+            owner = module.get_submodule(param_name.rpartition(".")[0])
+            if isinstance(owner, RoutedExperts) and 0 <= kwargs["expert_id"] < owner.num_experts \
+                    and not owner.is_local(kwargs["expert_id"]):
+                continue  # another expert-parallel rank owns this expert: not even read
             loader = getattr(param, "weight_loader", None)
             try:
                 if loader is None:
                     _copy_whole(param, _read(index, ckpt_name), ckpt_name)
                 else:
-                    loader(param, _read(index, ckpt_name), ckpt_name, **kwargs)
+                    loader(param, _read(index, ckpt_name, _local_rows(owner, kwargs)), ckpt_name, **kwargs)
             except ValueError as exc:
                 raise LoadError(f"{index.model_dir}: {exc}") from None
             filled.add((param_name, kwargs.get("expert_id"), kwargs.get("shard")))
     return filled
+
+
+def _local_rows(owner: nn.Module, kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    """(start, size) of the checkpoint rows this rank's weight loader keeps, when they are a
+    dim-0 slice: column-parallel outputs, vocabulary rows, gate/up rows of TP-split experts."""
+    parallel = getattr(owner, "parallel", None)
+    if parallel is None or parallel.tp_size == 1:
+        return None
+    if isinstance(owner, ColumnParallelLinear):
+        return parallel.shard(owner.full_out, "ColumnParallelLinear output features")
+    if isinstance(owner, VocabParallelEmbedding):
+        return owner.vocab_start, owner.weight.shape[0]
+    if isinstance(owner, RoutedExperts) and kwargs.get("shard") in ("gate", "up") and owner.inter < owner.full_inter:
+        return owner.inter_start, owner.inter
+    return None
 
 
 def _copy_whole(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
