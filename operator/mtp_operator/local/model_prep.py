@@ -38,16 +38,29 @@ def make_tiny_argv(annotation: str, out_dir: Path) -> list[str]:
     return [sys.executable, "-m", "mtp_runtime", "make-tiny", *args, "--out", str(out_dir)]
 
 
+def run_streaming(argv: list[str], output: Callable[[str], None], keep: int = 20) -> tuple[int, str]:
+    """Run argv, passing each output line on as it comes; (exit code, last lines)."""
+    tail: list[str] = []
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          text=True, errors="replace") as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output(line.rstrip("\n"))
+            tail = (tail + [line.rstrip("\n")])[-keep:]
+    return proc.returncode, "\n".join(tail)
+
+
 def ensure_model(
     model_dir: Path,
     annotations: dict[str, str],
     log: Callable[[str], None] = print,
-    run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+    output: Callable[[str], None] = lambda line: print(f"  {line}", file=sys.stderr, flush=True),
 ) -> bool:
     """Make the model at `model_dir` if it is missing; True when it was made.
 
-    make-tiny writes into a scratch folder beside the target that is renamed
-    into place only when it succeeded, so a failed run leaves nothing behind.
+    make-tiny (its training progress included) streams to `output`. It writes
+    into a scratch folder beside the target that is renamed into place only
+    when it succeeded, so a failed or interrupted run leaves nothing behind.
     """
     if model_is_present(model_dir):
         return False
@@ -61,14 +74,13 @@ def ensure_model(
         )
     scratch = model_dir.with_name(f".{model_dir.name}.making-{os.getpid()}")
     argv = make_tiny_argv(annotation, scratch)
-    log(f"making the model: mtp make-tiny {' '.join(shlex.quote(a) for a in argv[4:])}")
+    log(f"making the model: mtp make-tiny {' '.join(shlex.quote(a) for a in argv[4:-2])} --out {model_dir}")
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
-        done = run(argv, capture_output=True, text=True)
-        if done.returncode != 0:
+        code, tail = run_streaming(argv, output)
+        if code != 0:
             raise ModelPrepError(
-                f"mtp make-tiny failed (exit {done.returncode}) for annotation {MAKE_TINY_ANNOTATION}:\n"
-                f"{(done.stderr or done.stdout).strip()[-2000:]}"
+                f"mtp make-tiny failed (exit {code}) for annotation {MAKE_TINY_ANNOTATION}:\n{tail.strip()[-2000:]}"
             )
         if model_dir.exists():
             model_dir.rmdir()  # empty, checked above

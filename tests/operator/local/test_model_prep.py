@@ -12,9 +12,12 @@ from mtp_operator.local.model_prep import MAKE_TINY_ANNOTATION, ModelPrepError, 
 
 def test_makes_a_missing_model_with_the_annotation_arguments(tmp_path):
     model = tmp_path / "models" / "tiny"
-    lines = []
-    made = ensure_model(model, {MAKE_TINY_ANNOTATION: "--arch glm4_moe --seed 3 --shards 1"}, log=lines.append)
+    lines, output = [], []
+    made = ensure_model(model, {MAKE_TINY_ANNOTATION: "--arch glm4_moe --seed 3 --shards 1"}, log=lines.append,
+                        output=output.append)
     assert made
+    # make-tiny's own output was passed on as it ran.
+    assert any("glm4_moe checkpoint" in line for line in output)
     config = json.loads((model / "config.json").read_text())
     assert config["model_type"] == "glm4_moe"
     assert (model / "model.safetensors.index.json").is_file()
@@ -28,7 +31,7 @@ def test_makes_a_missing_model_with_the_annotation_arguments(tmp_path):
 def test_failed_make_tiny_leaves_nothing(tmp_path):
     model = tmp_path / "tiny"
     with pytest.raises(ModelPrepError, match="make-tiny failed") as err:
-        ensure_model(model, {MAKE_TINY_ANNOTATION: "--arch no_such_arch"}, log=lambda _: None)
+        ensure_model(model, {MAKE_TINY_ANNOTATION: "--arch no_such_arch"}, log=lambda _: None, output=lambda _: None)
     assert "no_such_arch" in str(err.value)
     assert list(tmp_path.iterdir()) == []
 
