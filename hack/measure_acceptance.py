@@ -81,7 +81,7 @@ def main() -> None:
     print(f"teacher-forced acceptance, draft position 1: {tf_rate:.3f} over {tf_positions} positions")
     for i in range(args.k):
         print(f"speculative k={args.k}: position {i + 1} acceptance {spec['acceptance_per_position'][i]:.3f} "
-              f"(conditional on the previous position: {spec["conditional_acceptance"][i]:.3f})")
+              f"(conditional on the previous position: {spec['conditional_acceptance'][i]:.3f})")
     print(f"speculative: {spec['generated_tokens']} tokens in {spec['verify_steps']} verify steps = "
           f"{spec['tokens_per_step']:.2f} tokens per main-model step ({spec['seconds']:.0f}s)")
     print(json.dumps({"teacher_forced_position1": tf_rate, **spec}))
