@@ -1,4 +1,4 @@
-"""`mtp generate`: continue one prompt with the reference loop (optionally speculative with an MTP draft)."""
+"""`mtp generate`: continue one prompt on the engine (optionally speculative with an MTP draft)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-HELP = "generate a continuation of one prompt (reference loop; greedy by default)"
+HELP = "generate a continuation of one prompt (greedy by default)"
 DESCRIPTION = """\
 Continue --prompt with the model in --model. With --draft_model (an `mtp export`
 directory, or the main checkpoint itself to use its built-in MTP layer) and
@@ -42,15 +42,18 @@ def run(args: argparse.Namespace) -> int:
         print("error: --num_speculative_tokens > 0 needs --draft_model", file=sys.stderr)
         return 2
 
-    from mtp_runtime.reference_session import ReferenceSession
+    from mtp_runtime.engine.llm import LLM
+    from mtp_runtime.sampling_params import SamplingParams
 
     try:
-        session = ReferenceSession(args.model, args.draft_model if k else None, args.dtype, args.device)
-        result = session.generate(args.prompt, args.max_tokens, k, args.temperature, args.seed)
+        llm = LLM(args.model, draft_model=args.draft_model if k else None, num_speculative_tokens=k,
+                  dtype=args.dtype, device=args.device, max_seqs_per_batch=1)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        result = llm.generate(args.prompt, params)[0]
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    text = session.decode(result.token_ids)
+    text = result.text
     if args.json:
         print(json.dumps({
             "text": text,
