@@ -257,3 +257,33 @@ def test_pod_monitor_selects_rank_0_of_the_operators_pods(chart):
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == c.PORT_NAME_HTTP
     assert monitor["spec"]["podMetricsEndpoints"][0]["path"] == plan.metrics_path
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"rbac": {"clusterWide": "yes"}}, "/rbac/clusterWide"),
+        ({"healthPort": 0}, "/healthPort"),
+        ({"settngs": {"metricsInterval": 3}}, "settngs"),
+        ({"settings": {"metricsIntervall": 3}}, "metricsIntervall"),
+        ({"image": {"repository": "x", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        ({"watchNamespace": "Team_A"}, "/watchNamespace"),
+        ({"podMonitor": {"enabled": True, "interval": "soon"}}, "/podMonitor/interval"),
+    ],
+    ids=["bool", "port", "typo-top", "typo-setting", "enum", "namespace", "duration"],
+)
+def test_bad_values_are_refused_naming_the_field(chart, values, field):
+    done = chart.helm("template", "x", str(chart.path), "--values", str(chart.values(values)))
+    assert done.returncode != 0
+    assert field in done.stderr, done.stderr
+
+
+def test_every_default_value_is_in_the_schema(chart):
+    # The schema forbids unknown keys, so a value added to values.yaml
+    # without a schema entry would make the chart unusable: catch it here.
+    import json
+
+    schema = json.loads((chart.path / "values.schema.json").read_text())
+    defaults = yaml.safe_load((chart.path / "values.yaml").read_text())
+    assert set(defaults) == set(schema["properties"])
+    jsonschema.validate(defaults, schema)
