@@ -179,8 +179,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, 
         raise LoadError(f"{model_dir}: model_type {config.model_type} is a draft module; load it with "
                         f"--draft_model, and give --model the main checkpoint")
     model = build_model(config, parallel)
-    names = {n: n for n in index.names() if not n.endswith(SCALE_SUFFIX)
-             and not (layer_index(n) is not None and layer_index(n) >= config.num_hidden_layers)}
+    mtp_layers = range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers)
+    names = {n: n for n in index.names() if not n.endswith(SCALE_SUFFIX) and layer_index(n) not in mtp_layers}
     filled = _load_tensors(model, index, config.arch, names)
     if config.tie_word_embeddings and ("lm_head.weight", None, None) not in filled:
         model.lm_head.weight.data.copy_(model.model.embed_tokens.weight.data)
@@ -212,7 +212,9 @@ def load_draft(model_dir: str | Path, main: CausalLM | None = None, dtype: torch
             raise LoadError(f"{model_dir}: the MTP layer has no {part}weight; load the main model first so "
                             f"its {source} can be shared")
         skip.append(part)
-    _raise_missing(index, _missing(draft, filled, tuple(skip)))
+    prefix = "model.layers.0." if config.is_mtp else f"model.layers.{config.mtp_layer_index}."
+    _raise_missing(index, [prefix + (m[len("layer."):] if m.startswith("layer.") else m)
+                           for m in _missing(draft, filled, tuple(skip))])
     draft = to_working_dtype(draft, _dtype(dtype)).to(device).eval()
     if "shared_head.head." in skip:
         draft.use_main_head(main.lm_head)
@@ -232,10 +234,10 @@ def _draft_names(index: CheckpointIndex, config: ModelConfig) -> dict[str, str]:
             rel = name[len(prefix):]
         elif config.is_mtp and name.startswith("model.") and name[len("model."):].startswith(_DRAFT_OWN):
             rel = name[len("model."):]  # exported drafts keep these at the top level
-        elif config.is_mtp:
+        elif config.is_mtp and layer_index(name) is None:
             raise LoadError(f"{index.model_dir}: unexpected tensor {name} in a draft directory")
         else:
-            continue  # main-model tensors (and further MTP layers) are not the draft's
+            continue  # main-model tensors and further MTP layers (the first one is reused) are not loaded
         names[name] = rel if rel.startswith(_DRAFT_OWN) else "layer." + rel
     return names
 

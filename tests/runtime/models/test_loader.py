@@ -94,3 +94,10 @@ def test_bad_config_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match="model_type 'llama' is not supported"):
         load_model(tmp_path)
+
+
+def test_missing_draft_tensor_is_named_by_checkpoint_name(tmp_path, tiny_writer):
+    path = tiny_writer(tmp_path / "m", "deepseek_v3", drop=("model.layers.3.self_attn.kv_b_proj.weight",))
+    model = load_model(path)  # the main model does not need the MTP layer
+    with pytest.raises(LoadError, match=r"lacks tensor\(s\) the model needs: model\.layers\.3\.self_attn\.kv_b_proj"):
+        load_draft(path, model)
