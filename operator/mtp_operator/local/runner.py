@@ -25,7 +25,13 @@ from mtp_operator.local import report
 from mtp_operator.local.client import smoke_requests
 from mtp_operator.local.probe import probe_health, scrape_metrics
 from mtp_operator.local.processes import LocalProcess, ProcessGroup, log_tail, terminate
-from mtp_operator.metrics import MetricsFormatError, SpecDecodeCounters, interval_stats, read_counters
+from mtp_operator.metrics import (
+    MetricsFormatError,
+    SpecDecodeCounters,
+    SpecDecodeStats,
+    interval_stats,
+    read_counters,
+)
 from mtp_operator.observations import ExportObservation, Observations, RankObservation
 from mtp_operator.plan import DeploymentPlan
 from mtp_operator.spec import MtpDeploymentSpec
@@ -57,7 +63,7 @@ class Scrape:
 
     previous: SpecDecodeCounters | None = None
     last_time: float = 0.0
-    stats: Any = None
+    stats: SpecDecodeStats | None = None
     stats_time: str | None = None
 
 
