@@ -10,7 +10,10 @@
 # and deletes the cluster on exit (KEEP_CLUSTER=1 keeps it for debugging).
 #
 # Settings (environment): CLUSTER (default mtp-e2e), KEEP_CLUSTER, TIMEOUT
-# (seconds to wait for Ready, default 900), LOCAL_PORT (default 18000).
+# (seconds to wait for Ready, default 900), LOCAL_PORT (default 18000),
+# MODELS_DIR (host folder for the models, kept; default: a temporary one).
+# Uses the active Python environment if it has `mtp` and helm, else sets up
+# .venv with hack/setup-env.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,9 +44,12 @@ docker info > /dev/null 2>&1 \
     || die "the Docker engine is not reachable ('docker info' failed); start Docker or fix DOCKER_HOST."
 [ -f "$SAMPLE" ] || die "$SAMPLE is missing; run from a full checkout."
 
-bash hack/setup-env.sh
-# shellcheck disable=SC1091
-. "${MTP_VENV:-.venv}/bin/activate"
+# The active environment when it has `mtp` and helm, else the project's .venv.
+if ! command -v mtp > /dev/null || ! command -v helm > /dev/null; then
+    bash hack/setup-env.sh
+    # shellcheck disable=SC1091
+    . "${MTP_VENV:-.venv}/bin/activate"
+fi
 command -v helm > /dev/null || die "helm is missing after hack/setup-env.sh (see hack/install-helm.sh)."
 
 TAG="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' charts/mtp-operator/Chart.yaml)"
@@ -51,7 +57,12 @@ TAG="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' charts/mtp-opera
 SAMPLE_NAME="$(python -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["metadata"]["name"])' "$SAMPLE")"
 
 WORK="$(mktemp -d)"
-MODELS_DIR="$WORK/models"
+OWN_MODELS_DIR=0
+if [ -z "${MODELS_DIR:-}" ]; then
+    MODELS_DIR="$WORK/models"
+    OWN_MODELS_DIR=1
+fi
+MODELS_DIR="$(mkdir -p "$MODELS_DIR" && cd "$MODELS_DIR" && pwd)"
 PORT_FORWARD_PID=""
 cleanup() {
     status=$?
@@ -67,9 +78,11 @@ cleanup() {
         log "keeping cluster $CLUSTER and $WORK (KEEP_CLUSTER=1)"
     else
         kind delete cluster --name "$CLUSTER" > /dev/null 2>&1 || true
-        # Files the pods wrote belong to their uid; docker can remove them.
-        rm -rf "$WORK" 2> /dev/null \
-            || docker run --rm --user 0 --entrypoint rm -v "$WORK:/w" "mtp-runtime:$TAG" -rf /w/models || true
+        if [ "$OWN_MODELS_DIR" = "1" ]; then
+            # Files the pods wrote belong to their uid; docker can remove them.
+            rm -rf "$WORK" 2> /dev/null \
+                || docker run --rm --user 0 --entrypoint rm -v "$WORK:/w" "mtp-runtime:$TAG" -rf /w/models || true
+        fi
         rm -rf "$WORK" 2> /dev/null || true
     fi
     exit "$status"
@@ -77,8 +90,7 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 # ---- the tiny model, on the host, visible to the node as the sample's hostPath
-log "making the sample's tiny model in $MODELS_DIR"
-mkdir -p "$MODELS_DIR"
+log "making the sample's tiny model in $MODELS_DIR (kept if already there)"
 mtp up "$SAMPLE" --models-dir "$MODELS_DIR" --make-model-only
 # The export Job and the ranks run as a non-root uid and write the draft here.
 chmod -R a+rwX "$MODELS_DIR"

@@ -3,6 +3,7 @@ behaviour that can be exercised without Docker or a network."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -108,3 +109,138 @@ def test_install_helm_is_idempotent(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (dest / "helm").is_symlink()
     assert "fetching" not in done.stderr
+
+
+# ---- kind-e2e.sh's whole flow, with docker, kind and kubectl replaced by
+# recording stand-ins; helm renders the chart for real (`install` becomes
+# `template` with the same values) and curl talks to a real HTTP server that
+# stands in for rank 0 behind `kubectl port-forward`.
+
+STAND_IN = r'''#!{python}
+import json, os, subprocess, sys
+tool, args = os.path.basename(sys.argv[0]), sys.argv[1:]
+with open(os.environ["E2E_CALLS"], "a") as calls:
+    calls.write(json.dumps([tool, *args]) + "\n")
+state = os.environ["E2E_STATE"]
+if tool == "kind":
+    if args[:2] == ["create", "cluster"]:
+        config = open(args[args.index("--config") + 1]).read()
+        assert os.environ["E2E_MODELS"] in config and "/tmp/mtp-models" in config, config
+        open(state, "w").write(args[args.index("--name") + 1])
+    elif args[:2] == ["get", "clusters"] and os.path.exists(state):
+        print(open(state).read())
+    elif args[:2] == ["delete", "cluster"] and os.path.exists(state):
+        os.remove(state)
+elif tool == "helm" and args[0] == "install":
+    rest, skip = [], False
+    for arg in args[1:]:
+        if skip:
+            skip = False
+        elif arg == "--timeout":
+            skip = True
+        elif arg not in ("--wait", "--create-namespace"):
+            rest.append(arg)
+    sys.exit(subprocess.run([os.environ["E2E_REAL_HELM"], "template", *rest], stdout=subprocess.DEVNULL).returncode)
+elif tool == "kubectl":
+    if "wait" in args and any(a.startswith("mtpd/") for a in args) and os.environ.get("E2E_NOT_READY"):
+        print("error: timed out waiting for the condition", file=sys.stderr)
+        sys.exit(1)
+    if "port-forward" in args:
+        local = args[-1].split(":")[0]
+        os.execv(sys.executable, [sys.executable, os.environ["E2E_SERVER"], local])
+    if "get" in args and "-o" in args:
+        query = args[args.index("-o") + 1]
+        if "clusterIP" in query:
+            print("tiny-cpu")
+        elif "ports" in query:
+            print("8000", end="")
+        elif "acceptanceRate" in query:
+            print("0.46", end="")
+        elif query == "jsonpath={.status}":
+            print(json.dumps({"phase": "Running", "speculative": {"acceptanceRate": 0.46}}))
+'''
+
+RANK0 = r'''
+import http.server, json, os, sys
+class Rank0(http.server.BaseHTTPRequestHandler):
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.reply({"data": [{"id": "tiny-deepseek-v3"}]} if self.path == "/v1/models" else {"state": "ready"})
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(os.environ["E2E_CALLS"], "a") as calls:
+            calls.write(json.dumps(["rank0", self.path, request]) + "\n")
+        self.reply({"choices": [{"text": "self):"}], "usage": {"completion_tokens": 2}})
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Rank0).serve_forever()
+'''
+
+
+@pytest.fixture(scope="module")
+def e2e_models(tmp_path_factory) -> Path:
+    """An existing model folder for MODELS_DIR (untrained: the script keeps it)."""
+    models = tmp_path_factory.mktemp("e2e-models")
+    subprocess.run([sys.executable, "-m", "mtp_runtime", "make-tiny", "--arch", "deepseek_v3",
+                    "--out", str(models / "tiny-deepseek-v3")], check=True, capture_output=True)
+    return models
+
+
+def run_kind_e2e(tmp_path: Path, models: Path, **env: str) -> tuple[subprocess.CompletedProcess, list]:
+    from mtp_operator.local.ports import free_ports
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("docker", "kind", "kubectl", "helm"):
+        (bin_dir / name).write_text(STAND_IN.replace("{python}", sys.executable))
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "rank0.py").write_text(RANK0)
+    calls = tmp_path / "calls.jsonl"
+    venv_bin = Path(sys.executable).parent
+    full_env = {
+        "PATH": f"{bin_dir}:{venv_bin}:/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
+        "E2E_CALLS": str(calls), "E2E_STATE": str(tmp_path / "cluster"), "E2E_SERVER": str(tmp_path / "rank0.py"),
+        "E2E_REAL_HELM": tool("helm"), "E2E_MODELS": str(models), "MODELS_DIR": str(models),
+        "LOCAL_PORT": str(free_ports(1)[0]), **env,
+    }
+    done = subprocess.run(["bash", str(REPO / "hack" / "kind-e2e.sh")], capture_output=True, text=True,
+                          env=full_env, timeout=120, cwd=tmp_path)
+    recorded = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+    return done, recorded
+
+
+def test_kind_e2e_flow(tmp_path, e2e_models):
+    done, calls = run_kind_e2e(tmp_path, e2e_models)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = [" ".join(str(part) for part in call[:3]) for call in calls]
+    order = ["kind create cluster", "docker build --target", "kind load docker-image", "helm install mtp-operator",
+             "kubectl -n default", "rank0 /v1/completions", "kind delete cluster"]
+    positions = [next(i for i, step in enumerate(steps) if step.startswith(want)) for want in order]
+    assert positions == sorted(positions), steps
+    builds = [call for call in calls if call[:2] == ["docker", "build"]]
+    assert {call[call.index("--target") + 1] for call in builds} == {"operator", "runtime"}
+    install = next(call for call in calls if call[:2] == ["helm", "install"])
+    assert "settings.runtimeImage=mtp-runtime:0.1.0" in install and "image.tag=0.1.0" in install
+    applied = next(call for call in calls if "apply" in call)
+    assert applied[-1] == "crds/samples/tiny-cpu.yaml"
+    completions = [call[2] for call in calls if call[0] == "rank0"]
+    assert len(completions) == 3 and all(c["model"] == "tiny-deepseek-v3" for c in completions)
+    assert "acceptance rate: 0.46" in done.stderr and "kind e2e passed" in done.stderr
+    # The user's models folder is kept, made writable for the pods' uid.
+    assert (e2e_models / "tiny-deepseek-v3" / "config.json").is_file()
+    assert (e2e_models / "tiny-deepseek-v3").stat().st_mode & 0o007 == 0o007
+
+
+def test_kind_e2e_cleans_up_when_never_ready(tmp_path, e2e_models):
+    done, calls = run_kind_e2e(tmp_path, e2e_models, E2E_NOT_READY="1")
+    assert done.returncode != 0
+    assert "failed; operator log and resource state follow" in done.stderr
+    assert calls[-1][:3] == ["kind", "delete", "cluster"]
+    assert not [call for call in calls if call[0] == "rank0"]
+    assert (e2e_models / "tiny-deepseek-v3" / "config.json").is_file()
