@@ -30,7 +30,7 @@ HEARTBEAT_KEY = "mtp/heartbeat"
 SHUTDOWN_KEY = "mtp/shutdown"
 LEFT_KEY = "mtp/left"
 # Exit status of a rank that left because another rank was lost.
-RANK_LOST_EXIT_CODE = 3
+RANK_LOST_EXIT_CODE = 4  # 2: bad flags, 3: model failed to load (mtp serve)
 DEFAULT_TIMEOUT_S = 30.0
 
 FailureHook = Callable[[str], None]

@@ -8,7 +8,8 @@ sampled on rank 0 reach the workers as the input_ids of the next plan, so
 ranks never diverge.
 
 The plan goes over the wire as one int64 tensor (a header of sizes, then the
-arrays), in two broadcasts: its length, then the payload. A hidden-state
+arrays) in one fixed-size broadcast that also carries its length; a plan too
+big for it sends the remainder in a second one. A hidden-state
 input the workers do not already hold (rows rank 0 gathered itself) follows
 as a third broadcast; rows of the last main or draft output are named by
 index instead, since every rank holds the same output after the all-reduce.
@@ -43,6 +44,7 @@ HIDDEN_SOURCES = (HIDDEN_FROM_MAIN, HIDDEN_FROM_DRAFT, HIDDEN_SENT)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _VERSION = 2
+PLAN_CAPACITY = 4096  # int64 slots in a plan's first broadcast (32 KiB)
 _HEADER = 11  # version, kind, target, hidden_source, num_blocks, B, T, block_size, table entries,
 #               hidden rows, hidden size
 
@@ -182,18 +184,25 @@ def broadcast_plan(plan: StepPlan | None, hidden: torch.Tensor | None = None, sr
                    group=None) -> tuple[StepPlan, torch.Tensor | None]:
     """On `src` send `plan` (and `hidden` when plan.hidden_source is SENT); elsewhere pass
     None and receive them. Returns (plan, sent hidden as float32 or None)."""
-    is_src = dist.get_rank(group) == src if group is not None else dist.get_rank() == src
+    is_src = dist.get_rank() == src
+    # One fixed-size broadcast carries the length and, for all but huge batches, the whole plan.
+    first = torch.zeros(PLAN_CAPACITY, dtype=torch.long)
     if is_src:
         if plan is None:
             raise ValueError("broadcast_plan: the source rank must pass a plan")
         payload = plan.encode()
-        length = torch.tensor([payload.numel()], dtype=torch.long)
-    else:
-        length = torch.zeros(1, dtype=torch.long)
-    dist.broadcast(length, src=src, group=group)
-    if not is_src:
-        payload = torch.empty(int(length.item()), dtype=torch.long)
-    dist.broadcast(payload, src=src, group=group)
+        first[0] = payload.numel()
+        head = payload[: PLAN_CAPACITY - 1]
+        first[1:1 + head.numel()] = head
+    dist.broadcast(first, src=src, group=group)
+    length = int(first[0])
+    if length > PLAN_CAPACITY - 1:
+        rest = payload[PLAN_CAPACITY - 1:] if is_src else torch.empty(length - PLAN_CAPACITY + 1, dtype=torch.long)
+        dist.broadcast(rest, src=src, group=group)
+        if not is_src:
+            payload = torch.cat([first[1:], rest])
+    elif not is_src:
+        payload = first[1:1 + length]
     if not is_src:
         plan = StepPlan.decode(payload)
     if plan.takes_hidden and plan.hidden_source == HIDDEN_SENT:

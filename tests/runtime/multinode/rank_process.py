@@ -6,7 +6,8 @@ MODE rendezvous: join the group, all_reduce(rank + 1), print the sum, exit 0.
 MODE lockstep:   join, start the heartbeat, then all_reduce forever (a stand-in
                  for lockstep forwards); rank 0's failure hook prints a line.
 MODE shutdown:   join, start the heartbeat; rank 0 announces a clean shutdown.
-MODE plans:      rank 0 broadcasts 20 random step plans and a STOP; every rank
+MODE plans:      rank 0 broadcasts 20 random step plans (one of thousands of
+                 tokens) and a STOP; every rank
                  prints a digest of each plan it holds.
 """
 
@@ -105,9 +106,11 @@ def run_plans(rank: int, count: int = 20) -> int:
     for i in range(count + 1):
         plan = None
         if rank == 0:
-            plan = random_plan(rng, target=rng.randint(0, 1)) if i < count else StepPlan(kind=STOP)
+            big = 4000 if i == count // 2 else 3  # one plan overflows the first broadcast
+            plan = random_plan(rng, rng.randint(0, 1), max_new=big) if i < count else StepPlan(kind=STOP)
         plan, _ = broadcast_plan(plan)
-        print(f"PLAN {hashlib.sha256(plan.encode().numpy().tobytes()).hexdigest()[:16]}", flush=True)
+        payload = plan.encode()
+        print(f"PLAN {hashlib.sha256(payload.numpy().tobytes()).hexdigest()[:16]} {payload.numel()}", flush=True)
     return 0 if plan.kind == STOP else 1
 
 if __name__ == "__main__":

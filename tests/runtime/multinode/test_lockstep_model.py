@@ -13,6 +13,8 @@ import torch
 
 from mtp_runtime.distributed import ParallelState
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
 HERE = Path(__file__).parent
 SCRIPT = HERE / "lockstep_model.py"
 

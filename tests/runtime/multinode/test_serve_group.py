@@ -15,6 +15,8 @@ from mtp_runtime.engine.llm import LLM
 from mtp_runtime.multinode.liveness import RANK_LOST_EXIT_CODE
 from mtp_runtime.sampling_params import SamplingParams
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
 PROMPTS = [[5, 17, 300, 42, 7], [99, 123, 8, 64, 250, 3, 11]]
 MAX_TOKENS = 10
 HEARTBEAT_S = 3.0

@@ -13,19 +13,20 @@ from mtp_runtime.multinode.step_plan import (
     HIDDEN_FROM_DRAFT,
     HIDDEN_SENT,
     LOGITS,
+    PLAN_CAPACITY,
     STOP,
     StepPlan,
 )
 
 
-def random_plan(rng: random.Random, target: int = 0) -> StepPlan:
+def random_plan(rng: random.Random, target: int = 0, max_new: int = 3) -> StepPlan:
     """A verify/draft-shaped batch: B sequences with a few new tokens each."""
     block_size = 4
     input_ids, positions, qsl, ctx, tables, slots = [], [], [0], [], [], []
     for seq in range(rng.randint(1, 4)):
-        new, cached = rng.randint(1, 3), rng.randint(0, 9)
+        new, cached = rng.randint(max(1, max_new // 2), max_new), rng.randint(0, 9)
         total = cached + new
-        table = rng.sample(range(64), -(-total // block_size))
+        table = rng.sample(range(4096), -(-total // block_size))
         input_ids += [rng.randrange(50000) for _ in range(new)]
         positions += list(range(cached, total))
         slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
@@ -97,5 +98,6 @@ def test_broadcast_reaches_every_rank_unchanged(start_rank, free_port):
     outputs = [r.output for r in ranks]
     assert codes == [0, 0], "\n---\n".join(outputs)
     digests = [[line for line in out.splitlines() if line.startswith("PLAN ")] for out in outputs]
-    assert len(digests[0]) == 21  # 20 forward plans and the STOP
+    assert len(digests[0]) == 21  # 20 forward plans (one too big for a single broadcast) and the STOP
     assert digests[0] == digests[1]
+    assert max(int(line.split()[2]) for line in digests[0]) > PLAN_CAPACITY
