@@ -36,6 +36,8 @@ from mtp_operator import constants as c
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
+# We never read responses: skip the client's model parsing, and never wait forever.
+CALL = {"_preload_content": False, "_request_timeout": 30}
 
 
 def load_configuration(kubeconfig: str | None = None) -> client.Configuration:
@@ -70,7 +72,7 @@ class KubeApi:
     def create_job(self, namespace: str, body: dict[str, Any]) -> bool:
         """True if created; False if a Job of that name exists already (idempotent)."""
         try:
-            self.batch.create_namespaced_job(namespace, body)
+            self.batch.create_namespaced_job(namespace, body, **CALL)
             return True
         except ApiException as exc:
             if exc.status == 409:
@@ -79,27 +81,27 @@ class KubeApi:
 
     def apply_service(self, namespace: str, body: dict[str, Any]) -> None:
         try:
-            self.core.create_namespaced_service(namespace, body)
+            self.core.create_namespaced_service(namespace, body, **CALL)
         except ApiException as exc:
             if exc.status != 409:
                 raise
             self.core.patch_namespaced_service(body["metadata"]["name"], namespace, body,
-                                               _content_type=MERGE_PATCH)
+                                               _content_type=MERGE_PATCH, **CALL)
 
     def apply_statefulset(self, namespace: str, body: dict[str, Any]) -> None:
         try:
-            self.apps.create_namespaced_stateful_set(namespace, body)
+            self.apps.create_namespaced_stateful_set(namespace, body, **CALL)
         except ApiException as exc:
             if exc.status != 409:
                 raise
             # Merge patch: replicas, template and annotations are ours; selector is immutable and unchanged.
             self.apps.patch_namespaced_stateful_set(body["metadata"]["name"], namespace, body,
-                                                    _content_type=MERGE_PATCH)
+                                                    _content_type=MERGE_PATCH, **CALL)
 
     def delete_pods(self, namespace: str, label_selector: str) -> None:
         """Delete every matching pod at once (the StatefulSet recreates them together)."""
         self.core.delete_collection_namespaced_pod(namespace, label_selector=label_selector,
-                                                   grace_period_seconds=0)
+                                                   grace_period_seconds=0, **CALL)
 
     def post_event(self, owner: Mapping[str, Any], reason: str, message: str, event_type: str = "Normal") -> None:
         meta = owner["metadata"]
@@ -113,6 +115,6 @@ class KubeApi:
             "source": {"component": c.MANAGED_BY_VALUE}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], body)
+            self.core.create_namespaced_event(meta["namespace"], body, **CALL)
         except ApiException as exc:  # an event is best effort; never fail a reconcile for it
             log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], exc.reason)

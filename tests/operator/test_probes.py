@@ -1,0 +1,47 @@
+"""HTTP probes against a real loopback server."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+
+import pytest
+
+from mtp_operator.probes import fetch_metrics, probe_health
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        code, body = {"/health": (200, b"{}"), "/loading": (503, b'{"state": "loading"}'),
+                      "/metrics": (200, b"mtp_spec_decode_draft_tokens_total 3\n")}.get(self.path, (404, b""))
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def port():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_health_results(port):
+    assert probe_health("127.0.0.1", port, "/health", 2).healthy
+    loading = probe_health("127.0.0.1", port, "/loading", 2)
+    assert not loading.healthy and loading.detail.startswith("503") and "loading" in loading.detail
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert not probe_health("127.0.0.1", closed, "/health", 1).healthy
+
+
+def test_fetch_metrics_and_error_names_the_url(port):
+    assert "draft_tokens_total 3" in fetch_metrics("127.0.0.1", port, "/metrics", 2)
+    with pytest.raises(OSError, match=f"GET http://127.0.0.1:{port}/nothing"):
+        fetch_metrics("127.0.0.1", port, "/nothing", 2)

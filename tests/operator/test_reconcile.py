@@ -1,0 +1,102 @@
+"""One reconcile step with a recording API double: which calls, in which state."""
+
+from __future__ import annotations
+
+from mtp_operator import constants as c
+from mtp_operator.reconcile import Cluster, phase_event, reconcile
+from mtp_operator.settings import OperatorSettings
+
+
+class RecordingKube:
+    """Records the calls kube.KubeApi would make; `exists` makes create_job report a conflict."""
+
+    def __init__(self, exists=False):
+        self.calls = []
+        self.exists = exists
+
+    def create_job(self, namespace, body):
+        self.calls.append(("create_job", body["metadata"]["name"]))
+        return not self.exists
+
+    def apply_service(self, namespace, body):
+        self.calls.append(("apply_service", body["metadata"]["name"]))
+
+    def apply_statefulset(self, namespace, body):
+        self.calls.append(("apply_statefulset", body["metadata"]["name"]))
+
+    def delete_pods(self, namespace, label_selector):
+        self.calls.append(("delete_pods", label_selector))
+
+
+SETTINGS = OperatorSettings(probe_pods=False)
+
+
+def step(cr, kube, jobs=(), pods=(), statefulsets=()):
+    return reconcile(cr, Cluster(kube, SETTINGS, list(jobs), list(pods), list(statefulsets)), None, now=1000.0)
+
+
+def cond(status, ctype):
+    return next(x for x in status["conditions"] if x["type"] == ctype)
+
+
+def test_invalid_spec_fails_without_api_calls(make_cr):
+    kube = RecordingKube()
+    out = step(make_cr(changes={"nnodes": 0}), kube)
+    assert kube.calls == [] and out.status["phase"] == "Failed"
+    assert cond(out.status, "Ready")["reason"] == "InvalidSpec" and "spec.nnodes" in cond(out.status, "Ready")["message"]
+    assert cond(out.status, "DraftReady")["status"] == "False"
+
+
+def test_unlaunchable_spec_names_the_field(make_cr):
+    cr = make_cr(changes={"engine": "vllm", "accelerator": {"resourceName": "nvidia.com/gpu", "count": 8},
+                          "runtime": {"dpSize": 3}})
+    out = step(cr, RecordingKube())
+    assert out.status["phase"] == "Failed" and "spec.runtime.dpSize=3" in cond(out.status, "Ready")["message"]
+
+
+def test_export_job_created_once_then_group_applied_once(make_cr):
+    cr = make_cr()
+    kube = RecordingKube()
+    first = step(cr, kube)
+    job = kube.calls[0][1]
+    assert kube.calls == [("create_job", job)] and first.status["phase"] == "Exporting"
+    assert ("Normal", "ExportStarted", f"created export job {job}") in first.events
+
+    kube = RecordingKube()
+    running = step({**cr, "status": first.status}, kube, jobs=[{"name": job, "succeeded": False, "failed": False}])
+    assert kube.calls == [] and running.status["phase"] == "Exporting"
+
+    kube = RecordingKube()
+    done = [{"name": job, "succeeded": True, "failed": False}]
+    ready = step({**cr, "status": running.status}, kube, jobs=done)
+    assert kube.calls == [("apply_service", "ds-ranks"), ("apply_service", "ds"), ("apply_statefulset", "ds")]
+    assert ready.status["phase"] == "Starting" and ready.status["appliedHash"]
+
+    kube = RecordingKube()
+    again = step({**cr, "status": ready.status}, kube, jobs=done, statefulsets=[{"name": "ds"}])
+    assert kube.calls == [] and again.status == ready.status  # level-based: nothing to change
+
+
+def test_existing_job_after_restart_is_not_an_error(make_cr):
+    kube = RecordingKube(exists=True)  # the index has not caught up; the API answers 409
+    out = step(make_cr(), kube)
+    assert kube.calls[0][0] == "create_job" and not out.events and out.status["phase"] == "Exporting"
+
+
+def test_stale_pods_roll_the_whole_group(make_cr):
+    cr = make_cr(changes={"export": None, "draftModel": {"path": "/models/d"}})
+    pods = [{"name": f"ds-{r}", "uid": f"u{r}", "component": c.COMPONENT_SERVER, "rank": r, "templateHash": "old",
+             "ready": True, "restarts": 0, "terminating": False, "podIP": "10.0.0.1", "jobName": None,
+             "terminationMessage": ""} for r in (0, 1)]
+    kube = RecordingKube()
+    out = step(cr, kube, pods=pods, statefulsets=[{"name": "ds"}])
+    deletes = [sel for name, sel in kube.calls if name == "delete_pods"]
+    assert len(deletes) == 1 and f"{c.LABEL_TEMPLATE_HASH}!={out.status['templateHash']}" in deletes[0]
+    assert out.status["phase"] == "Starting"
+
+
+def test_phase_events():
+    assert phase_event({"phase": "Starting"}, {"phase": "Starting"}) is None
+    kind, reason, message = phase_event({"phase": "Running"}, {"phase": "Failed", "conditions": [
+        {"type": "Ready", "message": "export failed"}]})
+    assert (kind, reason) == ("Warning", "PhaseFailed") and "Running -> Failed: export failed" == message
