@@ -6,6 +6,7 @@ the model pair (main + exported draft) from `mtp make-tiny` is built once.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from mtp_runtime.bench.local_server import LocalServer
+from mtp_runtime.bench.local_server import LocalServer, free_port
 from mtp_runtime.bench.server_metrics import parse_spec_counters
 
 PROMPT = "def fibonacci(n):\n    "
@@ -259,6 +260,17 @@ def test_bad_flag_exits_2_naming_it(tiny_models):
     done = subprocess.run([sys.executable, "-m", "mtp_runtime", "serve", "--model", tiny_models[0],
                            "--block_size", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--block_size" in done.stderr
+
+
+def test_model_that_fails_to_load_exits_3_naming_the_file(tiny_models, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_models[0], broken)
+    shard = broken / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    done = subprocess.run([sys.executable, "-m", "mtp_runtime", "serve", "--model", str(broken), "--host",
+                           "127.0.0.1", "--port", str(free_port())], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **ONE_THREAD})
+    assert done.returncode == 3 and shard.name in done.stderr, done.stderr[-2000:]
 
 
 def test_sigterm_during_stream_ends_it_and_exits_0(base_server, base_client):
