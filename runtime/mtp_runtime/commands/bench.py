@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from mtp_runtime.bench.suite import BenchPlan, bench_local, bench_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
     if args.requests_per_level < 0:
         print("mtp bench: --requests-per-level must be >= 0", file=sys.stderr)
         return 2
