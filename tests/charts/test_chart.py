@@ -215,8 +215,15 @@ def test_settings_env_is_what_the_operator_reads(chart):
 
     defaults = yaml.safe_load((chart.path / "values.yaml").read_text())
     samples = {"runtimeImage": "r:1", "npuRuntimeImage": "n:1", "imagePullSecrets": "a,b",
-               "metricsInterval": 7, "gangRestartBudget": 2, "gangRestartBackoff": 3}
+               "metricsInterval": 7, "gangRestartBudget": 2, "gangRestartBackoff": 3, "reconcileInterval": 4,
+               "healthTimeout": 1.5, "metricsTimeout": 2.5, "probePods": False}
     assert set(defaults["settings"]) == set(samples), "new settings key: add a sample value here"
+    # Every setting the operator reads can be set from the chart; the watch
+    # scope and the health port come from rbac.* and healthPort.
+    from_chart_values = {"namespace", "all_namespaces", "health_port"}
+    fields = {f for f in OperatorSettings.__dataclass_fields__ if not f.startswith("_")} - from_chart_values
+    camel = {f.split("_")[0] + "".join(w.title() for w in f.split("_")[1:]) for f in fields}
+    assert set(defaults["settings"]) == camel
     for rbac_mode in (True, False):
         values = chart.values({"settings": samples, "rbac": {"clusterWide": rbac_mode}}, f"v{rbac_mode}.yaml")
         container = chart.only(chart.template(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
@@ -226,6 +233,7 @@ def test_settings_env_is_what_the_operator_reads(chart):
         settings = OperatorSettings.from_env(env)
         assert settings.metrics_interval == 7.0 and settings.image_pull_secrets == ("a", "b")
         assert settings.npu_runtime_image == "n:1" and settings.health_port == 8080
+        assert settings.probe_pods is False and settings.metrics_timeout == 2.5
         assert settings.all_namespaces is rbac_mode
         assert settings.namespace == (() if rbac_mode else (chart.namespace,))
 
