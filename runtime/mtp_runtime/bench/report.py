@@ -79,7 +79,10 @@ def plot_png(runs: dict[str, list[LevelResult]], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError(f"the PNG plot needs matplotlib ({exc}); pip install matplotlib or pass --no-plot") from None
+    from matplotlib.ticker import ScalarFormatter
+
     fig, (ax_tput, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
+    levels_seen = sorted({r.concurrency for levels in runs.values() for r in levels})
     for label, levels in runs.items():
         conc = [r.concurrency for r in levels]
         ax_tput.plot(conc, [r.output_tokens_per_s for r in levels], marker="o", label=label)
@@ -87,6 +90,9 @@ def plot_png(runs: dict[str, list[LevelResult]], path: Path) -> None:
     for ax, title, ylabel in ((ax_tput, "Output throughput", "output tokens/s"),
                               (ax_tpot, "Time per output token", "mean TPOT (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels_seen)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
