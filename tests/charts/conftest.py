@@ -1,6 +1,6 @@
 """Fixtures for the chart tests: the helm 4 binary, rendering, parsing.
 
-Helpers live here as fixtures because tests run with --import-mode=importlib
+Shared code lives here as fixtures because tests run with --import-mode=importlib
 (no sibling imports).
 """
 

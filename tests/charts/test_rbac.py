@@ -98,8 +98,8 @@ def url_of(api_class: str, method: str) -> str:
     api = getattr(client, api_class)
     # Newer clients build the request in `_<method>_serialize`, older ones in
     # `<method>_with_http_info`.
-    helper = getattr(api, f"_{method}_serialize", None) or getattr(api, f"{method}_with_http_info")
-    paths = re.findall(r"""['"](/apis?/[^'"]+)['"]""", inspect.getsource(helper))
+    request_builder = getattr(api, f"_{method}_serialize", None) or getattr(api, f"{method}_with_http_info")
+    paths = re.findall(r"""['"](/apis?/[^'"]+)['"]""", inspect.getsource(request_builder))
     assert len(paths) == 1, f"{api_class}.{method}: expected one URL, found {paths}"
     return paths[0]
 
