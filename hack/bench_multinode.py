@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="concurrent requests (default 4)")
     p.add_argument("--tokens", type=int, default=48, help="tokens generated per request (default 48)")
     p.add_argument("--ep-size", default="1", help="1, or 'auto' for ep_size = ranks (experts split over ranks)")
+    p.add_argument("--trained", action="store_true",
+                   help="use `mtp make-tiny --preset bench` (trained, so drafts get accepted; takes minutes)")
     p.add_argument("--json", help="also write the results here")
     # Internal: one rank of one group.
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -52,28 +54,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class CollectiveTimer:
-    """Wall time spent inside torch.distributed collectives (the layers look them up at call time)."""
+    """Wall time inside torch.distributed collectives, per kind (the layers and the plan
+    broadcast look them up at call time). It includes waiting for slower ranks."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        self.seconds = 0.0
-        self.calls = 0
+        self.by_kind = {name: 0.0 for name in COLLECTIVES}
         for name in COLLECTIVES:
-            setattr(dist, name, self._timed(getattr(dist, name)))
+            setattr(dist, name, self._timed(name, getattr(dist, name)))
 
-    def _timed(self, fn):
+    def _timed(self, name, fn):
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
-                self.calls += 1
+                self.by_kind[name] += time.perf_counter() - start
         return timed
 
+    @property
+    def seconds(self) -> float:
+        return sum(self.by_kind.values())
+
     def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        self.by_kind = dict.fromkeys(self.by_kind, 0.0)
 
 
 def run_rank(args: argparse.Namespace) -> dict:
@@ -128,6 +133,8 @@ def lead(args: argparse.Namespace, timer: CollectiveTimer) -> dict:
         leader.stop_workers()
     return {"decode_tokens_per_s": decode_tokens / decode_s, "decode_steps": steps,
             "step_ms": 1000 * decode_s / steps, "comm_share": comm_s / decode_s,
+            "plan_broadcast_ms_per_step": 1000 * timer.by_kind["broadcast"] / steps,
+            "model_collective_ms_per_step": 1000 * (timer.by_kind["all_reduce"] + timer.by_kind["all_gather"]) / steps,
             "acceptance": stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0,
             "rows_sent": leader.hidden_rows_sent if leader else 0, "bytes_read": bytes_read}
 
@@ -137,7 +144,7 @@ def generate(engine, params, batch: int, tag: str, timer: CollectiveTimer | None
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", [5 + i, 17, 300, 42, 7, 99, 123, 8], params)
     started: dict[str, bool] = {}
-    decode_start = comm_start = None
+    decode_start = None
     steps = tokens = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -147,9 +154,11 @@ def generate(engine, params, batch: int, tag: str, timer: CollectiveTimer | None
         for out in outputs:
             started[out.request_id] = True
         if decode_start is None and len(started) == batch:
-            decode_start, comm_start = time.perf_counter(), timer.seconds if timer else 0.0
+            decode_start = time.perf_counter()
+            if timer:
+                timer.reset()  # from here on: decode only
     elapsed = time.perf_counter() - decode_start
-    return elapsed, tokens, max(steps, 1), (timer.seconds - comm_start) if timer else 0.0
+    return elapsed, tokens, max(steps, 1), timer.seconds if timer else 0.0
 
 
 def follow(args: argparse.Namespace, timer: CollectiveTimer) -> dict:
@@ -196,8 +205,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             args.model = str(Path(tmp, "bench-dsv3"))
+            sizes = ["--preset", "bench"] if args.trained else BENCH_SIZES
             subprocess.run([sys.executable, "-m", "mtp_runtime", "make-tiny", "--arch", "deepseek_v3",
-                            "--out", args.model, *BENCH_SIZES], check=True, capture_output=True)
+                            "--out", args.model, *sizes], check=True, capture_output=True)
         table = {}
         for nnodes in [int(n) for n in args.ranks.split(",")]:
             table[nnodes] = measure_group(args, nnodes)
@@ -207,13 +217,15 @@ def main() -> int:
                   f"acceptance {lead_result['acceptance']:.0%}, bytes read per rank "
                   f"{[r['bytes_read'] for r in table[nnodes]]}", flush=True)
     base = table.get(1, next(iter(table.values())))[0]["decode_tokens_per_s"]
-    print("\nranks | decode tok/s | vs 1 rank | step ms | comm share of step | bytes read per rank (MiB)")
+    print("\nranks | decode tok/s | vs 1 rank | step ms | comm share of step | plan bcast ms | model coll. ms "
+          "| bytes read per rank (MiB)")
     for nnodes, results in table.items():
         lead_result = results[0]
         mib = ", ".join(f"{r['bytes_read'] / 2**20:.2f}" for r in results)
         print(f"{nnodes:5d} | {lead_result['decode_tokens_per_s']:12.1f} | "
               f"{lead_result['decode_tokens_per_s'] / base:8.2f}x | {lead_result['step_ms']:7.1f} | "
-              f"{lead_result['comm_share']:18.0%} | {mib}")
+              f"{lead_result['comm_share']:18.0%} | {lead_result['plan_broadcast_ms_per_step']:13.1f} | "
+              f"{lead_result['model_collective_ms_per_step']:14.1f} | {mib}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "model"},
                                                "results": table}, indent=2))
