@@ -36,9 +36,9 @@ log() {
 }
 
 # ---- fail fast on missing tools, before anything is created
-for tool in docker kind kubectl; do
+for tool in docker kind kubectl curl; do
     command -v "$tool" > /dev/null \
-        || die "'$tool' is not installed or not on PATH; this script needs docker, kind and kubectl."
+        || die "'$tool' is not installed or not on PATH; this script needs docker, kind, kubectl and curl."
 done
 docker info > /dev/null 2>&1 \
     || die "the Docker engine is not reachable ('docker info' failed); start Docker or fix DOCKER_HOST."
@@ -132,7 +132,7 @@ kubectl -n "$NAMESPACE" wait --for=condition=Ready --timeout="${TIMEOUT}s" "mtpd
 # The client Service: the sample's server Service that is not headless.
 SERVICE="$(kubectl -n "$NAMESPACE" get services \
     -l "mtp.inference.dev/deployment=$SAMPLE_NAME" \
-    -o jsonpath='{range .items[?(@.spec.clusterIP!="None")]}{.metadata.name}{"\n"}{end}' | head -n 1)"
+    -o jsonpath='{range .items[?(@.spec.clusterIP!="None")]}{.metadata.name}{"\n"}{end}' | sed -n 1p)"
 [ -n "$SERVICE" ] || die "no client Service labelled mtp.inference.dev/deployment=$SAMPLE_NAME"
 HTTP_PORT="$(kubectl -n "$NAMESPACE" get service "$SERVICE" \
     -o jsonpath='{.spec.ports[?(@.name=="http")].port}')"
