@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine, EngineFailure, EngineNotReadyError, QueueFullError, RequestAborted
-from .chat_template import ChatTemplate, ChatTemplateError
+from .chat_template import ChatTemplateError
 from .metrics import CONTENT_TYPE_LATEST
 from .openai_protocol import (
     APIError,

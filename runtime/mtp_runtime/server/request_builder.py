@@ -7,22 +7,10 @@ the field instead of a request that fails half-way.
 
 from __future__ import annotations
 
-import json
-import os
-
 from mtp_runtime.sampling_params import SamplingParams
 
 from .chat_template import ChatTemplate, ChatTemplateError
 from .openai_protocol import APIError, ChatCompletionRequest, SamplingFields
-
-
-def model_context_length(model_dir: str) -> int:
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    length = config.get("max_position_embeddings")
-    if not isinstance(length, int) or length < 1:
-        raise ValueError(f"{model_dir}/config.json: max_position_embeddings is missing or not a positive integer")
-    return length
 
 
 class RequestBuilder:
