@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts real server processes
+
 # Same training arguments as the server tests, so make-tiny's cache serves both.
 TRAINING = ("--train-steps", "120", "--train-batch", "8", "--train-seq-len", "64")
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

@@ -17,6 +17,8 @@ import pytest
 from mtp_runtime.bench.local_server import LocalServer, free_port
 from mtp_runtime.bench.server_metrics import parse_spec_counters
 
+pytestmark = pytest.mark.slow  # starts real server processes
+
 PROMPT = "def fibonacci(n):\n    "
 API_KEY = "test-key"
 SERVED_NAME = "tiny"
