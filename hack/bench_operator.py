@@ -61,6 +61,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def http_status(url: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.status
+
+
 def vm_kib(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -111,7 +118,8 @@ async def run(args: argparse.Namespace) -> dict:
         "clusters": [{"name": "bench", "cluster": {"server": url}}],
         "users": [{"name": "bench", "user": {"token": "bench"}}],
         "contexts": [{"name": "bench", "context": {"cluster": "bench", "user": "bench"}}]}))
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "MTP_OPERATOR_HEALTH_PORT": str(free_port()),
+    health_port = free_port()
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "MTP_OPERATOR_HEALTH_PORT": str(health_port),
            "MTP_OPERATOR_RECONCILE_INTERVAL": str(args.reconcile_interval), "PYTHONUNBUFFERED": "1"}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     log = open(tmp / "operator.log", "w")
@@ -121,6 +129,7 @@ async def run(args: argparse.Namespace) -> dict:
         # The operator is up once it watches MtpDeployments (after its indices are listed).
         await wait_for(lambda: server.changed.get(CR_KEY) is not None and server.requests > 8, 60, "operator start")
         await asyncio.sleep(1.0)
+        liveness = await asyncio.to_thread(http_status, f"http://127.0.0.1:{health_port}/healthz")
         latencies = []
         for i in range(args.latency_n):
             name = f"lat-{i:03d}"
@@ -153,7 +162,7 @@ async def run(args: argparse.Namespace) -> dict:
         "latency_n": len(latencies), "scale_n": args.scale_n, "scale_s": scale_s,
         "resources_total": args.scale_n + args.latency_n,
         "peak_rss_mb": peak_kib / 1024, "rss_mb": rss_kib / 1024, "idle_requests_per_s": idle_rps,
-        "reconcile_interval_s": args.reconcile_interval, "operator_log": str(tmp / "operator.log"),
+        "reconcile_interval_s": args.reconcile_interval, "liveness_status": liveness, "operator_log": str(tmp / "operator.log"),
     }
 
 
@@ -202,6 +211,7 @@ def main() -> int:
           f"{result['resources_total']} resources live, reconcile timer {result['reconcile_interval_s']} s)")
     print(f"operator peak RSS: {result['peak_rss_mb']:.1f} MB (now {result['rss_mb']:.1f} MB; target < "
           f"{TARGETS['memory_mb']:.0f} MB, ratio {result['peak_rss_mb'] / TARGETS['memory_mb']:.2f})")
+    print(f"operator liveness endpoint /healthz: HTTP {result['liveness_status']}")
     print(f"API requests/s once settled ({args.settle:.0f} s after steady state, over {args.idle_window:.0f} s): "
           f"{result['idle_requests_per_s']:.1f}")
     if args.compare_kmock:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from mtp_operator import constants as c
@@ -120,7 +120,7 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, stats: tuple[SpecDecode
             if rank.ready and rank.current and not rank.terminating and serves_http(plan.engine, rank.rank) \
                     and ips.get(rank.rank):
                 result = probe_health(ips[rank.rank], plan.http_port, plan.health_path, settings.health_timeout)
-                rank = type(rank)(**{**rank.__dict__, "healthy": result.healthy, "health_detail": result.detail})
+                rank = replace(rank, healthy=result.healthy, health_detail=result.detail)
             probed.append(rank)
         ranks = probed
 
