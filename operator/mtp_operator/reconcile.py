@@ -5,7 +5,9 @@
 
 Flow: validate and plan -> export Job (create once; its name is derived from
 the export settings, so a restarted operator finds it instead of making a
-second one) -> when the draft is ready, create/patch the Services and the
+second one, and a finished Job of the same settings is reused; if that Job
+was deleted, the new one's `mtp export` finds the output's mtp-export.json
+up to date and exits at once) -> when the draft is ready, create/patch the Services and the
 StatefulSet (only when what we want differs from what we last applied) ->
 roll the whole group when the template hash changed -> gang restart when a
 rank restarted alone -> probe /health -> compute status.

@@ -1,0 +1,69 @@
+"""kopf wiring (registration) and rank-0 scraping into the per-object memo."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import pytest
+
+from mtp_operator.handlers import build_registry, scrape_rank0
+from mtp_operator.settings import OperatorSettings
+
+
+class Metrics(http.server.BaseHTTPRequestHandler):
+    draft, accepted = 100, 80
+
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        body = (f"mtp_spec_decode_draft_tokens_total {Metrics.draft}\n"
+                f"mtp_spec_decode_accepted_tokens_total {Metrics.accepted}\n").encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def port():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_registry_has_the_handlers_and_indices():
+    registry = build_registry(OperatorSettings(reconcile_interval=3, metrics_interval=7))
+    ids = {h.id for reg in (registry._changing, registry._spawning, registry._indexing)
+           for h in reg.get_all_handlers()}
+    assert {"created", "updated", "resumed", "level", "scrape", "mtp_jobs", "mtp_pods", "mtp_statefulsets"} <= ids
+    timers = {h.id: h.interval for h in registry._spawning.get_all_handlers()}
+    assert timers == {"level": 3, "scrape": 7}
+
+
+def test_scrape_uses_deltas_and_resets_on_a_new_rank0_pod(make_cr, port):
+    cr = make_cr(changes={"ports": {"http": port}})
+    cr["status"] = {"phase": "Running"}
+    pods = {("default", "ds"): [{"component": "server", "rank": 0, "podIP": "127.0.0.1", "uid": "a",
+                                 "terminating": False}]}
+    memo: dict = {}
+    settings = OperatorSettings()
+    Metrics.draft, Metrics.accepted = 100, 80
+    assert scrape_rank0(cr, memo, pods, settings)
+    assert memo["fresh_stats"][0].acceptance_rate == pytest.approx(0.8)  # since start
+    Metrics.draft, Metrics.accepted = 200, 130
+    scrape_rank0(cr, memo, pods, settings)
+    assert memo["fresh_stats"][0].acceptance_rate == pytest.approx(0.5)  # the last interval only
+    pods[("default", "ds")][0]["uid"] = "b"  # rank 0 replaced: its counters restarted
+    Metrics.draft, Metrics.accepted = 40, 30
+    scrape_rank0(cr, memo, pods, settings)
+    assert memo["fresh_stats"][0].acceptance_rate == pytest.approx(0.75)
+
+
+def test_scrape_skips_groups_that_are_not_running(make_cr, port):
+    cr = make_cr(changes={"ports": {"http": port}})
+    cr["status"] = {"phase": "Starting"}
+    assert not scrape_rank0(cr, {}, {}, OperatorSettings())
+    cr["status"] = {"phase": "Running"}
+    assert not scrape_rank0(cr, {}, {}, OperatorSettings())  # no rank-0 pod known yet
