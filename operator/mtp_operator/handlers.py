@@ -9,6 +9,11 @@ subresource). The same reconcile runs on create, on spec update, on operator
 resume and on a timer (level-based: Job finished, pods ready, a rank
 restarted). A second timer scrapes rank 0's metrics every
 MTP_OPERATOR_METRICS_INTERVAL seconds.
+
+What the operator writes on an MtpDeployment: `status` (via the status
+subresource), kopf's bookkeeping annotations under kopf.mtp.inference.dev/,
+and kopf's finalizer (timers need one, so they stop before the object goes).
+It never writes `spec`.
 """
 
 from __future__ import annotations
