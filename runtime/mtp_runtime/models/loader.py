@@ -9,6 +9,7 @@ load fails naming the tensor.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,11 @@ from torch import nn
 from mtp_runtime.checkpoint.fp8 import dequantize_fp8_blocks
 from mtp_runtime.checkpoint.index import CheckpointIndex
 from mtp_runtime.checkpoint.naming import SCALE_SUFFIX, layer_index
-from mtp_runtime.checkpoint.safetensors_io import TensorInfo, read_tensor
+from mtp_runtime.checkpoint.safetensors_io import DTYPES, READ_STATS, TensorInfo, read_tensor
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState
 from mtp_runtime.layers.embedding import VocabParallelEmbedding
-from mtp_runtime.layers.linear import ColumnParallelLinear
+from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mtp_runtime.layers.moe import RoutedExperts
 from mtp_runtime.models.decoder import CausalLM
 from mtp_runtime.models.mtp import MtpDraft
@@ -63,19 +64,17 @@ def map_name(arch: str, name: str) -> tuple[str, dict[str, Any]]:
     return name, {}
 
 
-def _read(index: CheckpointIndex, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """The checkpoint tensor in float32. With `rows` (start, size) only those rows of dim 0 are
-    read from disk (this rank's tensor-parallel shard); the rest of the full-shape result is NaN,
-    and the weight loader, which takes the same rows, never copies it."""
+def _read(index: CheckpointIndex, name: str, cut: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The checkpoint tensor in float32. With `cut` (dim, start, size) only that slice of dim 0 or
+    1 is read from disk (this rank's tensor-parallel shard); the rest of the full-shape result is
+    NaN, and the weight loader, which takes the same slice, never copies it."""
     info = index.info(name)
-    if rows is not None and not info.dtype.startswith("F8") and len(info.shape) >= 1 \
-            and rows[0] + rows[1] <= info.shape[0]:
-        start, size = rows
-        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
-        part = read_tensor(index.shard_path(name), name, TensorInfo(
-            info.dtype, (size, *info.shape[1:]), info.start + start * row_bytes, info.start + (start + size) * row_bytes))
+    if cut is not None and not info.dtype.startswith("F8") and len(info.shape) > cut[0] \
+            and cut[1] + cut[2] <= info.shape[cut[0]] and (cut[0] == 0 or len(info.shape) == 2):
+        dim, start, size = cut
+        part = _read_slice(index.shard_path(name), name, info, dim, start, size)
         full = torch.full(info.shape, float("nan"), dtype=torch.float32)
-        full[start:start + size] = part.float()
+        full.narrow(dim, start, size).copy_(part)
         return full
     tensor = index.read(name)
     if tensor.dtype == torch.float8_e4m3fn:
@@ -106,26 +105,54 @@ def _load_tensors(module: nn.Module, index: CheckpointIndex, arch: str, names: d
                 if loader is None:
                     _copy_whole(param, _read(index, ckpt_name), ckpt_name)
                 else:
-                    loader(param, _read(index, ckpt_name, _local_rows(owner, kwargs)), ckpt_name, **kwargs)
+                    loader(param, _read(index, ckpt_name, _local_slice(owner, kwargs)), ckpt_name, **kwargs)
             except ValueError as exc:
                 raise LoadError(f"{index.model_dir}: {exc}") from None
             filled.add((param_name, kwargs.get("expert_id"), kwargs.get("shard")))
     return filled
 
 
-def _local_rows(owner: nn.Module, kwargs: dict[str, Any]) -> tuple[int, int] | None:
-    """(start, size) of the checkpoint rows this rank's weight loader keeps, when they are a
-    dim-0 slice: column-parallel outputs, vocabulary rows, gate/up rows of TP-split experts."""
+def _local_slice(owner: nn.Module, kwargs: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(dim, start, size) of the checkpoint tensor this rank's weight loader keeps: rows of
+    column-parallel outputs, vocabularies and TP-split expert gate/up; columns of row-parallel
+    inputs and TP-split expert down projections. None: the loader keeps it whole."""
     parallel = getattr(owner, "parallel", None)
     if parallel is None or parallel.tp_size == 1:
         return None
     if isinstance(owner, ColumnParallelLinear):
-        return parallel.shard(owner.full_out, "ColumnParallelLinear output features")
+        return (0, *parallel.shard(owner.full_out, "ColumnParallelLinear output features"))
+    if isinstance(owner, RowParallelLinear):  # the weight's input columns; its 1-D bias stays whole
+        return (1, *parallel.shard(owner.full_in, "RowParallelLinear input features"))
     if isinstance(owner, VocabParallelEmbedding):
-        return owner.vocab_start, owner.weight.shape[0]
-    if isinstance(owner, RoutedExperts) and kwargs.get("shard") in ("gate", "up") and owner.inter < owner.full_inter:
-        return owner.inter_start, owner.inter
+        return 0, owner.vocab_start, owner.weight.shape[0]
+    if isinstance(owner, RoutedExperts) and owner.inter < owner.full_inter:
+        return (1 if kwargs.get("shard") == "down" else 0), owner.inter_start, owner.inter
     return None
+
+
+def _read_slice(path: Path, name: str, info: TensorInfo, dim: int, start: int, size: int) -> torch.Tensor:
+    """Read rows start..start+size (dim 0: one read) or, of a 2-D tensor, those columns of every
+    row (dim 1: one read per row), counting only the bytes read."""
+    if dim == 0:
+        row_bytes = info.nbytes // info.shape[0]
+        return read_tensor(path, name, TensorInfo(info.dtype, (size, *info.shape[1:]),
+                                                  info.start + start * row_bytes,
+                                                  info.start + (start + size) * row_bytes)).float()
+    rows, cols = info.shape
+    item = info.nbytes // (rows * cols)
+    buf = bytearray(rows * size * item)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for r in range(rows):
+            want = view[r * size * item:(r + 1) * size * item]
+            got = os.preadv(fd, [want], info.start + (r * cols + start) * item)
+            if got != len(want):
+                raise LoadError(f"{path}: truncated shard: tensor {name!r} ends past end of file")
+    finally:
+        os.close(fd)
+    READ_STATS.bytes_read += len(buf)
+    return torch.frombuffer(buf, dtype=DTYPES[info.dtype]).reshape(rows, size).float()
 
 
 def _copy_whole(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
