@@ -41,7 +41,7 @@ class TrackedOutput(torch.Tensor):
     def __getitem__(self, index: Any) -> torch.Tensor:
         out = super().__getitem__(index).as_subclass(torch.Tensor)
         if isinstance(index, torch.Tensor) and index.dim() == 1 and index.dtype == torch.long and out.dim() == 2:
-            out._mtp_rows = (self._mtp_target, index.tolist())
+            out._mtp_rows = (self._mtp_target, self, index.tolist())
         return out
 
 
@@ -67,9 +67,10 @@ class LockstepLeader:
         workers can take them from their own copy; else (HIDDEN_SENT, [])."""
         sources = {MAIN: HIDDEN_FROM_MAIN, DRAFT: HIDDEN_FROM_DRAFT}
         tracked = getattr(hidden, "_mtp_rows", None)
-        if tracked is not None and self.last_output[tracked[0]] is not None:
-            target, rows = tracked
-            if rows and max(rows) < self.last_output[target].shape[0] and min(rows) >= 0:
+        if tracked is not None:
+            target, base, rows = tracked
+            # Only rows of the LATEST output of that module: that is the copy the workers hold.
+            if base is self.last_output[target] and rows and min(rows) >= 0 and max(rows) < base.shape[0]:
                 return sources[target], rows
         for target, source in sources.items():
             rows = _row_range_of(hidden, self.last_output[target])
