@@ -251,3 +251,17 @@ def test_missing_model_without_annotation_is_explained(tmp_path):
     done = mtp_up(str(cr), "--models-dir", str(tmp_path / "empty"), "--once", timeout=60)
     assert done.returncode == 2
     assert "spec.model.path: no model at" in done.stderr and "mtp.inference.dev/make-tiny" in done.stderr
+
+
+def test_dry_run_prints_the_processes(tmp_path):
+    models = tmp_path / "models"  # no model there: a dry run makes nothing
+    cr = write_cr(tmp_path / "two.yaml", {"nnodes": 2})
+    done = mtp_up(str(cr), "--models-dir", str(models), "--dry-run", "--port", "18300", "--master-port", "18399",
+                  timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "# export" and lines[2] == "# rank-0 (HTTP port 18300)"
+    assert lines[4] == "# rank-1 (HTTP port 18301)"
+    assert f"--input-dir {models}/tiny-deepseek-v3 " in lines[1]
+    assert "MTP_MASTER_ADDR=127.0.0.1:18399" in lines[5] and "--node_rank=1" in lines[5]
+    assert not models.exists()  # nothing ran, nothing was made

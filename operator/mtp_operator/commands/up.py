@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds before the first group restart, doubling each time (default: the operator's)")
     parser.add_argument("--grace-period", type=float, default=15.0,
                         help="seconds a rank gets to exit after SIGTERM on shutdown before it is killed (default 15)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print each process's command line and environment, then exit without running")
     parser.add_argument("--make-model-only", action="store_true",
                         help="only build a missing model from the make-tiny annotation, then exit")
 
@@ -117,8 +119,9 @@ def prepare(args: argparse.Namespace):
     spec = parse_spec(resource.get("spec"))
     settings = OperatorSettings.from_env()
     paths = LocalPaths.for_spec(spec, args.models_dir)
-    ensure_model(paths.to_local(spec.model.path), metadata.get("annotations") or {},
-                 log=lambda line: print(f"mtp up: {line}", flush=True))
+    if not args.dry_run:
+        ensure_model(paths.to_local(spec.model.path), metadata.get("annotations") or {},
+                     log=lambda line: print(f"mtp up: {line}", flush=True))
     if args.make_model_only:
         return None
     http_port, master_port = choose_ports(spec, args.port, args.master_port)
@@ -134,6 +137,17 @@ def prepare(args: argparse.Namespace):
     )
     return LocalDeployment(metadata["name"], spec, plan, export_process(plan, paths), rank_processes(plan, paths),
                            options, out=lambda line: print(line, flush=True))
+
+
+def print_processes(deployment) -> None:
+    """The processes `mtp up` would start, as shell-quoted lines."""
+    import shlex
+
+    steps = ([deployment.export] if deployment.export else []) + deployment.ranks
+    for process in steps:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(process.env.items()))
+        print(f"# {process.name}" + (f" (HTTP port {process.http_port})" if process.http_port else ""))
+        print(f"{env} {shlex.join(process.argv)}".strip())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
     except (UpInputError, SpecError, LocalPathError, ModelPrepError, PlanError, SettingsError) as exc:
         return fail(str(exc) if str(exc).startswith(str(args.file)) else f"{args.file}: {exc}")
     if deployment is None:
+        return 0
+    if args.dry_run:
+        print_processes(deployment)
         return 0
     plan = deployment.plan
     print(f"mtp up: {deployment.name}: {plan.nnodes} rank(s) of {plan.engine} on 127.0.0.1, HTTP from port "
