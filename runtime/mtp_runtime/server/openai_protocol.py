@@ -31,7 +31,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch.Generator accepts
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

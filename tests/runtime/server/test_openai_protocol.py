@@ -43,6 +43,7 @@ def test_completion_defaults_and_prompt_forms():
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),
     ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"model": "m", "prompt": "x", "seed": 2**64}, "seed"),
 ])
 def test_completion_errors_name_the_field(body, param):
     err = error_of(CompletionRequest, body)
