@@ -1,5 +1,5 @@
 """A whole benchmark: every concurrency level against one server, or the
-baseline-vs-MTP comparison with two local servers started one after the other.
+baseline-vs-MTP comparison with two local servers measured in turns.
 """
 
 from __future__ import annotations
@@ -42,41 +42,44 @@ async def _warm_up(base_url: str, model: str, prompt: list[int], plan: BenchPlan
                 raise RuntimeError(f"warm-up request to {base_url} failed: {result.error}")
 
 
-async def bench_server(base_url: str, tokenizer, plan: BenchPlan, api_key: str | None = None,
-                       model: str | None = None) -> list[LevelResult]:
+async def bench_servers(urls: dict[str, str], tokenizer, plan: BenchPlan,
+                        api_key: str | None = None) -> dict[str, list[LevelResult]]:
+    """Every level on every server, servers taking turns within a level (the order flips each
+    level), so a machine that gets busier or quieter mid-run does not favour one of them."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    if model is None:
-        async with httpx.AsyncClient(timeout=30.0) as client:
-            model = await find_model_name(client, base_url, headers)
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        models = {label: await find_model_name(client, url, headers) for label, url in urls.items()}
     total = sum(plan.requests_for(c) for c in plan.concurrency)
     prompts = build_prompts(tokenizer, total + 1, plan.input_len, plan.seed)
-    await _warm_up(base_url, model, prompts[-1], plan, api_key)
-    results, offset = [], 0
-    for concurrency in plan.concurrency:
+    for label, url in urls.items():
+        await _warm_up(url, models[label], prompts[-1], plan, api_key)
+    runs: dict[str, list[LevelResult]] = {label: [] for label in urls}
+    offset = 0
+    for i, concurrency in enumerate(plan.concurrency):
         n = plan.requests_for(concurrency)
-        level = await run_level(base_url, model, prompts[offset:offset + n], plan.output_len, concurrency, api_key)
+        order = list(urls) if i % 2 == 0 else list(reversed(urls))
+        for label in order:
+            level = await run_level(urls[label], models[label], prompts[offset:offset + n], plan.output_len,
+                                    concurrency, api_key)
+            log.info("%s concurrency %d: %.1f output tok/s, TPOT %.2f ms, acceptance %s", label, concurrency,
+                     level.output_tokens_per_s, level.mean_tpot_ms, level.acceptance_rate)
+            if level.failed:
+                log.warning("%d of %d requests failed, first: %s", level.failed, level.requests, level.first_error)
+            runs[label].append(level)
         offset += n
-        log.info("%s concurrency %d: %.1f output tok/s, TPOT %.2f ms, acceptance %s", base_url, concurrency,
-                 level.output_tokens_per_s, level.mean_tpot_ms, level.acceptance_rate)
-        if level.failed:
-            log.warning("%d of %d requests failed, first: %s", level.failed, level.requests, level.first_error)
-        results.append(level)
-    return results
+    return runs
 
 
 def bench_local(model_dir: str, draft_dir: str, num_speculative_tokens: int, tokenizer, plan: BenchPlan,
                 extra_serve_flags: list[str]) -> dict[str, list[LevelResult]]:
-    """Baseline (no draft) then MTP, same prompts, servers never running at the same time."""
-    servers = {
-        "baseline": ["--model", model_dir, *extra_serve_flags],
-        "mtp": ["--model", model_dir, "--draft_model", draft_dir,
-                "--num_speculative_tokens", str(num_speculative_tokens), *extra_serve_flags],
-    }
-    runs = {}
-    for label, flags in servers.items():
-        log.info("starting the %s server: mtp serve %s", label, " ".join(flags))
-        with LocalServer(flags) as server:
-            runs[label] = asyncio.run(bench_server(server.base_url, tokenizer, plan))
-    return runs
+    """A baseline (no draft) and an MTP server, both up, measured in turns on the same prompts."""
+    baseline_flags = ["--model", model_dir, *extra_serve_flags]
+    mtp_flags = ["--model", model_dir, "--draft_model", draft_dir,
+                 "--num_speculative_tokens", str(num_speculative_tokens), *extra_serve_flags]
+    log.info("starting the baseline server: mtp serve %s", " ".join(baseline_flags))
+    with LocalServer(baseline_flags) as baseline:
+        log.info("starting the MTP server: mtp serve %s", " ".join(mtp_flags))
+        with LocalServer(mtp_flags) as mtp:
+            return asyncio.run(bench_servers({"baseline": baseline.base_url, "mtp": mtp.base_url}, tokenizer, plan))

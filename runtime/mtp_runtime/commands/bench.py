@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mtp_runtime.bench.prompts import load_tokenizer
     from mtp_runtime.bench.report import markdown_table, throughput_ratios, write_outputs
-    from mtp_runtime.bench.suite import BenchPlan, bench_local, bench_server
+    from mtp_runtime.bench.suite import BenchPlan, bench_local, bench_servers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
               "requests_per_level": [plan.requests_for(c) for c in plan.concurrency]}
     try:
         if args.url:
-            runs = {"server": asyncio.run(bench_server(args.url.rstrip("/"), tokenizer, plan, args.api_key))}
+            runs = asyncio.run(bench_servers({"server": args.url.rstrip("/")}, tokenizer, plan, args.api_key))
             config["url"] = args.url
         else:
             draft = args.draft_model or args.model
