@@ -118,8 +118,6 @@ class _GracefulServer(uvicorn.Server):
 
 
 def serve(args: ServeArgs, log_level: str = "info") -> int:
-    if args.nnodes > 1:  # parsed and validated, but never silently served as one node
-        raise ServerSetupError(f"--nnodes: {args.nnodes} nodes are not wired into this server yet; use --nnodes 1")
     group = None
     if args.nnodes > 1:  # multi-node: rank 0 leads the group, the other ranks follow its step plans
         from mtp_runtime.multinode.serve_group import GroupMember, fail_requests_hook, serve_worker

@@ -3,6 +3,7 @@ greedy outputs; a killed worker takes the group down and fails the in-flight req
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import threading
@@ -93,7 +94,7 @@ def test_two_ranks_serve_the_single_process_outputs(start_rank, tiny_dsv3, singl
     assert httpx.post(f"http://127.0.0.1:{ports[1]}/v1/completions", json={}).status_code == 404
     worker_metrics = httpx.get(f"http://127.0.0.1:{ports[1]}/metrics").text
     assert 'mtp_node_state{state="ready"} 1.0' in worker_metrics
-    assert float(worker_metrics.split("mtp_worker_model_calls ")[1].split()[0]) > 0
+    assert float(re.search(r"^mtp_worker_model_calls (\S+)$", worker_metrics, re.M).group(1)) > 0
     ranks[0].proc.send_signal(signal.SIGTERM)
     codes = [rank.wait(30) for rank in ranks]
     assert codes == [0, 0], "\n---\n".join(r.output for r in ranks)
