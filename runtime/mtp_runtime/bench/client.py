@@ -30,10 +30,14 @@ class RequestResult:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def completion_payload(model: str, prompt_ids: list[int], output_len: int) -> dict:
-    # ignore_eos + greedy: every request produces exactly output_len tokens, the same on both servers.
-    return {"model": model, "prompt": prompt_ids, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def completion_payload(model: str, prompt_ids: list[int], output_len: int, temperature: float = 0.0,
+                       seed: int | None = None) -> dict:
+    # ignore_eos: every request produces exactly output_len tokens on every server.
+    payload = {"model": model, "prompt": prompt_ids, "max_tokens": output_len, "temperature": temperature,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if seed is not None:
+        payload["seed"] = seed
+    return payload
 
 
 async def stream_completion(client: httpx.AsyncClient, base_url: str, payload: dict,

@@ -41,19 +41,20 @@ async def find_model_name(client: httpx.AsyncClient, base_url: str, headers: dic
 
 
 async def run_level(base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                    api_key: str | None = None, timeout_s: float = 600.0) -> LevelResult:
+                    api_key: str | None = None, temperature: float = 0.0, timeout_s: float = 600.0) -> LevelResult:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         before = await scrape_spec_counters(client, base_url)
-        queue = list(prompts)
+        queue = list(enumerate(prompts))
         results: list[RequestResult] = []
 
         async def worker() -> None:
             while queue:
-                prompt = queue.pop()
+                index, prompt = queue.pop()
+                seed = index if temperature > 0 else None  # the same draws on every server
                 results.append(await stream_completion(
-                    client, base_url, completion_payload(model, prompt, output_len), headers))
+                    client, base_url, completion_payload(model, prompt, output_len, temperature, seed), headers))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

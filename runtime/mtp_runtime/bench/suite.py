@@ -24,6 +24,7 @@ class BenchPlan:
     requests_per_level: int  # 0: max(8, 4 x concurrency)
     warmup_requests: int = 2
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy
 
     def requests_for(self, concurrency: int) -> int:
         return self.requests_per_level or max(8, 4 * concurrency)
@@ -36,8 +37,8 @@ async def _warm_up(base_url: str, model: str, prompt: list[int], plan: BenchPlan
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=600.0) as client:
         for _ in range(plan.warmup_requests):
-            result = await stream_completion(client, base_url, completion_payload(model, prompt, plan.output_len),
-                                             headers)
+            payload = completion_payload(model, prompt, plan.output_len, plan.temperature, plan.seed)
+            result = await stream_completion(client, base_url, payload, headers)
             if not result.ok:
                 raise RuntimeError(f"warm-up request to {base_url} failed: {result.error}")
 
@@ -62,7 +63,7 @@ async def bench_servers(urls: dict[str, str], tokenizer, plan: BenchPlan,
         order = list(urls) if i % 2 == 0 else list(reversed(urls))
         for label in order:
             level = await run_level(urls[label], models[label], prompts[offset:offset + n], plan.output_len,
-                                    concurrency, api_key)
+                                    concurrency, api_key, plan.temperature)
             log.info("%s concurrency %d: %.1f output tok/s, TPOT %.2f ms, acceptance %s", label, concurrency,
                      level.output_tokens_per_s, level.mean_tpot_ms, level.acceptance_rate)
             if level.failed:

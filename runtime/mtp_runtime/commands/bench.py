@@ -10,9 +10,9 @@ HELP = "serving benchmark: TTFT, TPOT, throughput and acceptance vs concurrency"
 DESCRIPTION = """\
 Serving benchmark in the shape NPU serving engines publish for MTP: for each
 concurrency level, requests of a set input and output length (prompts cut from
-held-out corpus text, sent as token ids, greedy, ignore_eos), reporting Mean
-TTFT (ms), Mean TPOT (ms), Output tokens/s, Total tokens/s and the acceptance
-rate read from the server's own /metrics.
+held-out corpus text, sent as token ids, ignore_eos, greedy unless
+--temperature), reporting Mean TTFT (ms), Mean TPOT (ms), Output tokens/s,
+Total tokens/s and the acceptance rate read from the server's own /metrics.
 
   mtp bench --url http://host:8000 --tokenizer MODEL_DIR      # any OpenAI-compatible server
   mtp bench --model DIR --draft_model DRAFT_DIR               # starts baseline and MTP servers itself
@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests-per-level", type=int, default=0,
                         help="requests at each level (default: max(8, 4 x concurrency))")
     parser.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy; > 0: sampled, seeded per request, so acceptance is "
+                             "speculative sampling's")
     parser.add_argument("--out", default="bench-results", help="output directory")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
 
@@ -73,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     if args.requests_per_level < 0:
         print("mtp bench: --requests-per-level must be >= 0", file=sys.stderr)
         return 2
+    if not 0 <= args.temperature <= 2:
+        print("mtp bench: --temperature must be in [0, 2]", file=sys.stderr)
+        return 2
     tokenizer_dir = args.tokenizer or args.model
     if tokenizer_dir is None:
         print("mtp bench: --tokenizer DIR is required with --url (prompts are sent as token ids)", file=sys.stderr)
@@ -83,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtp bench: --tokenizer: {exc}", file=sys.stderr)
         return 2
     plan = BenchPlan(concurrency=args.concurrency, input_len=args.input_len, output_len=args.output_len,
-                     requests_per_level=args.requests_per_level, seed=args.seed)
+                     requests_per_level=args.requests_per_level, seed=args.seed, temperature=args.temperature)
     config = {"input_len": plan.input_len, "output_len": plan.output_len, "concurrency": plan.concurrency,
+              "temperature": plan.temperature,
               "requests_per_level": [plan.requests_for(c) for c in plan.concurrency]}
     try:
         if args.url:
