@@ -58,8 +58,8 @@ class TrainOptions:
     lr: float = 3e-3
     seed: int = 0
     corpus_bytes: int = 4 * 1024 * 1024
-    # Fixed, so results do not depend on the machine's core count. One thread suits small models
-    # (and busy machines); the benchmark model uses two.
+    # Part of the recipe: float sums, and so the weights, can differ with the thread count.
+    # One thread suits small models and busy machines; the benchmark model uses two.
     threads: int = 1
 
     def __post_init__(self) -> None:

@@ -57,8 +57,9 @@ def test_trained_checkpoint_is_deterministic_and_cached(cache_dir, monkeypatch):
     monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("retrained a cached checkpoint"))
     assert train.trained_checkpoint(config, build_tokenizer(512), OPTS) == second
     # other arguments mean another checkpoint
-    assert train.cache_key(config, tok, OPTS, 1, False) != train.cache_key(
-        config, tok, train.TrainOptions(**{**OPTS.__dict__, "mtp_loss_weight": 0.5}), 1, False)
+    for change in ({"mtp_loss_weight": 0.5}, {"threads": 2}, {"seed": 1}):
+        assert train.cache_key(config, tok, OPTS, 1, False) != train.cache_key(
+            config, tok, train.TrainOptions(**{**OPTS.__dict__, **change}), 1, False)
 
 
 def test_make_tiny_train_options(cache_dir, tmp_path, capsys):
@@ -84,3 +85,4 @@ def test_bench_preset_shape():
         config = build_config(arch, **train.bench_sizes(arch))
         assert config["num_hidden_layers"] >= 8 and 4096 <= config["vocab_size"] <= 16384
         assert config["n_routed_experts"] > 1 and config["first_k_dense_replace"] < config["num_hidden_layers"]
+

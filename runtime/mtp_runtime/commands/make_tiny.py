@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--train-seq-len", type=int, default=128, help="tokens per training window")
     train.add_argument("--train-batch", type=int, default=16, help="windows per step")
     train.add_argument("--mtp-loss-weight", type=float, default=0.3, help="lambda of the MTP loss")
+    train.add_argument("--train-threads", type=int, default=None,
+                       help="torch threads for training (part of the cache key; default 2 for --preset bench, else 1)")
 
 
 def size_overrides(args: argparse.Namespace) -> dict:
@@ -104,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         if steps:
             opts = train.TrainOptions(steps=steps, seq_len=args.train_seq_len, batch=args.train_batch,
                                       mtp_loss_weight=args.mtp_loss_weight, seed=args.seed,
-                                      threads=train.BENCH_TRAIN.threads if args.preset == "bench" else 1)
+                                      threads=args.train_threads or (
+                                          train.BENCH_TRAIN.threads if args.preset == "bench" else 1))
             cached = train.trained_checkpoint(config, tokenizer_dir, opts, args.shards, args.fp8, train.stderr_log)
             train.copy_checkpoint(cached, args.out, overwrite=args.force)
         else:
