@@ -42,6 +42,15 @@ def test_prompt_and_decode_logits_match_transformers(pairs, case):
     got = torch.cat(got)
     assert got.dtype == torch.float32 and expected.abs().max() > 1.0  # logits are not trivially small
     assert (got - expected).abs().max().item() <= TOL
+    # and against transformers' own incremental decode with its KV cache
+    with torch.no_grad():
+        out = ref(ids[None, :10], use_cache=True)
+        ref_steps, cache = [out.logits[0]], out.cache
+        for pos in range(10, PROMPT_LEN):
+            out = ref(ids[None, pos:pos + 1], cache=cache, use_cache=True)
+            ref_steps.append(out.logits[0])
+            cache = out.cache
+    assert (got - torch.cat(ref_steps)).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("case", CASES)
