@@ -24,11 +24,16 @@ LABEL_DEPLOYMENT = f"{GROUP}/deployment"  # the MtpDeployment's name, for select
 LABEL_TEMPLATE_HASH = f"{GROUP}/template-hash"  # pod template fingerprint (whole-group rolls)
 # Set by the StatefulSet controller (Kubernetes >= 1.28) on every pod: its ordinal.
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
+# On the two Services only: which one it is, so a ServiceMonitor can select
+# the client Service (rank 0 alone) and never the headless one (every rank).
+LABEL_SERVICE_ROLE = f"{GROUP}/service-role"
 
 NAME_VALUE = "mtp-runtime"
 MANAGED_BY_VALUE = "mtp-operator"
 COMPONENT_EXPORT = "export"
 COMPONENT_SERVER = "server"
+SERVICE_ROLE_CLIENT = "client"  # the OpenAI endpoint; selects rank 0's pod only
+SERVICE_ROLE_HEADLESS = "headless"  # rank discovery; selects every rank
 
 # Annotation on the StatefulSet: the template hash it was last rolled to.
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"

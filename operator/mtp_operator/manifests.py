@@ -109,10 +109,16 @@ def server_selector(plan: DeploymentPlan) -> dict[str, str]:
     return {**c.selector_labels(plan.name), c.LABEL_COMPONENT: c.COMPONENT_SERVER}
 
 
+def _service_metadata(name: str, plan: DeploymentPlan, owner: Mapping[str, Any], role: str) -> dict[str, Any]:
+    meta = _metadata(name, plan, owner, c.COMPONENT_SERVER)
+    meta["labels"][c.LABEL_SERVICE_ROLE] = role
+    return meta
+
+
 def build_headless_service(plan: DeploymentPlan, owner: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _metadata(headless_service_name(plan.name), plan, owner, c.COMPONENT_SERVER),
+        "metadata": _service_metadata(headless_service_name(plan.name), plan, owner, c.SERVICE_ROLE_HEADLESS),
         # Ranks must resolve each other before they are ready: readiness needs the whole group.
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": server_selector(plan),
                  "ports": _service_ports(plan)},
@@ -123,7 +129,7 @@ def build_client_service(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: M
     selector = {**server_selector(plan), c.LABEL_POD_INDEX: "0"}  # only rank 0 serves the API
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _metadata(client_service_name(plan.name), plan, owner, c.COMPONENT_SERVER),
+        "metadata": _service_metadata(client_service_name(plan.name), plan, owner, c.SERVICE_ROLE_CLIENT),
         "spec": {"type": spec.service.type, "selector": selector,
                  "ports": [{"name": c.PORT_NAME_HTTP, "port": plan.http_port, "targetPort": c.PORT_NAME_HTTP,
                             "protocol": "TCP"}]},

@@ -38,16 +38,16 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
             }
         }
     },
-    "podMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
+    "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
 }
 
-# The Prometheus Operator's PodMonitor is a CRD no Kubernetes schema set
+# The Prometheus Operator's ServiceMonitor is a CRD no Kubernetes schema set
 # knows; its spec is checked against the fields of monitoring.coreos.com/v1
 # that the chart uses (unknown fields rejected, like strict mode).
-POD_MONITOR_SPEC_SCHEMA = {
+SERVICE_MONITOR_SPEC_SCHEMA = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["selector", "podMetricsEndpoints"],
+    "required": ["selector", "endpoints"],
     "properties": {
         "selector": {
             "type": "object",
@@ -62,7 +62,7 @@ POD_MONITOR_SPEC_SCHEMA = {
                 "matchNames": {"type": "array", "items": {"type": "string"}},
             },
         },
-        "podMetricsEndpoints": {
+        "endpoints": {
             "type": "array",
             "minItems": 1,
             "items": {
@@ -82,13 +82,13 @@ POD_MONITOR_SPEC_SCHEMA = {
 
 
 def validate_object(obj: dict[str, Any], version: str) -> None:
-    if obj["kind"] == "PodMonitor":
+    if obj["kind"] == "ServiceMonitor":
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"
         # Its metadata is an ordinary ObjectMeta: validate it as one.
         kubernetes_validate.validate(
             {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}, version, strict=True
         )
-        jsonschema.validate(obj["spec"], POD_MONITOR_SPEC_SCHEMA)
+        jsonschema.validate(obj["spec"], SERVICE_MONITOR_SPEC_SCHEMA)
         return
     kubernetes_validate.validate(obj, version, strict=True)
 
@@ -130,7 +130,7 @@ def test_default_objects(chart):
     objects = chart.template()
     kinds = sorted(obj["kind"] for obj in objects)
     assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"])
-    assert not chart.by_kind(objects, "PodMonitor")
+    assert not chart.by_kind(objects, "ServiceMonitor")
 
 
 def test_operator_deployment_defaults(chart):
@@ -189,10 +189,10 @@ def test_non_default_values_reach_the_objects(chart):
     assert env["MTP_OPERATOR_NAMESPACE"] == "models"
     assert "MTP_OPERATOR_ALL_NAMESPACES" not in env
     assert {p["containerPort"] for p in container["ports"]} == {9090}
-    monitor = chart.only(objects, "PodMonitor")
+    monitor = chart.only(objects, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["models"]}
-    assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "15s"
+    assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
 
 
 def test_empty_settings_are_not_set(chart):
@@ -247,23 +247,44 @@ def test_chart_crd_is_the_generated_one(chart):
     assert crd["metadata"]["name"] == "mtpdeployments.mtp.inference.dev"
 
 
-def test_pod_monitor_selects_rank_0_of_the_operators_pods(chart):
-    # The labels the operator's StatefulSet pods carry (from its own
-    # manifest builder), filtered to the pod with ordinal 0.
-    from mtp_operator import constants as c
-    from mtp_operator.manifests import server_selector
-    from mtp_operator.plan import plan_deployment
+def _operator_children(chart) -> tuple[object, list[dict[str, Any]]]:
+    """The plan and every object the operator creates for the tiny sample, from its own builders."""
+    from mtp_operator.manifests import (build_client_service, build_export_job, build_headless_service,
+                                        build_statefulset)
+    from mtp_operator.plan import kubernetes_master_host, plan_deployment
+    from mtp_operator.settings import OperatorSettings
     from mtp_operator.spec import parse_spec
 
-    monitor = chart.only(chart.template(chart.values({"podMonitor": {"enabled": True}})), "PodMonitor")
-    spec = parse_spec(yaml.safe_load((chart.path.parents[1] / "crds/samples/tiny-cpu.yaml").read_text())["spec"])
-    plan = plan_deployment("tiny-cpu", "default", spec, master_host="h")
-    pod_labels = {**server_selector(plan), c.LABEL_POD_INDEX: "0"}
-    selector = monitor["spec"]["selector"]["matchLabels"]
-    assert selector.items() <= pod_labels.items()
-    assert selector[c.LABEL_POD_INDEX] == "0" and "mtp.inference.dev/deployment" not in selector
-    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == c.PORT_NAME_HTTP
-    assert monitor["spec"]["podMetricsEndpoints"][0]["path"] == plan.metrics_path
+    cr = yaml.safe_load((chart.path.parents[1] / "crds/samples/tiny-cpu.yaml").read_text())
+    cr["metadata"].update(namespace="default", uid="uid-1")
+    spec = parse_spec(cr["spec"])
+    plan = plan_deployment("tiny-cpu", "default", spec, master_host=kubernetes_master_host("tiny-cpu", "default"))
+    settings = OperatorSettings()
+    return plan, [build_headless_service(plan, cr), build_client_service(plan, spec, cr),
+                  build_statefulset(plan, spec, cr, settings), build_export_job(plan, spec, cr, settings)]
+
+
+def test_service_monitor_selects_only_the_client_service(chart):
+    # A ServiceMonitor picks Services by label and scrapes the pods behind them:
+    # it must pick the client Service (rank 0 only) and not the headless one.
+    from mtp_operator import constants as c
+
+    monitor = chart.only(chart.template(chart.values({"serviceMonitor": {"enabled": True}})), "ServiceMonitor")
+    plan, children = _operator_children(chart)
+    selector = monitor["spec"]["selector"]["matchLabels"].items()
+    picked = [o for o in children if o["kind"] == "Service" and selector <= o["metadata"]["labels"].items()]
+    assert [s["metadata"]["name"] for s in picked] == ["tiny-cpu"]
+    (client,) = picked
+    assert client["metadata"]["labels"][c.LABEL_SERVICE_ROLE] == c.SERVICE_ROLE_CLIENT
+    assert "mtp.inference.dev/deployment" not in dict(selector), "one monitor serves every MtpDeployment"
+    # The client Service reaches exactly the rank-0 pod of the StatefulSet.
+    sts = next(o for o in children if o["kind"] == "StatefulSet")
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    by_rank = {rank: {**pod_labels, c.LABEL_POD_INDEX: str(rank)} for rank in range(3)}
+    assert [r for r, labels in by_rank.items() if client["spec"]["selector"].items() <= labels.items()] == [0]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in client["spec"]["ports"]}
+    assert endpoint["port"] == c.PORT_NAME_HTTP and endpoint["path"] == plan.metrics_path
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
 
 
@@ -276,7 +297,7 @@ def test_pod_monitor_selects_rank_0_of_the_operators_pods(chart):
         ({"settings": {"metricsIntervall": 3}}, "metricsIntervall"),
         ({"image": {"repository": "x", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"watchNamespace": "Team_A"}, "/watchNamespace"),
-        ({"podMonitor": {"enabled": True, "interval": "soon"}}, "/podMonitor/interval"),
+        ({"serviceMonitor": {"enabled": True, "interval": "soon"}}, "/serviceMonitor/interval"),
     ],
     ids=["bool", "port", "typo-top", "typo-setting", "enum", "namespace", "duration"],
 )

@@ -85,6 +85,10 @@ def test_services(make_cr):
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
     assert client["spec"]["selector"][c.LABEL_POD_INDEX] == "0"
     assert client["spec"]["type"] == "LoadBalancer"
+    # Distinct roles, so a ServiceMonitor can pick the client Service (rank 0) alone.
+    assert client["metadata"]["labels"][c.LABEL_SERVICE_ROLE] == c.SERVICE_ROLE_CLIENT
+    assert headless["metadata"]["labels"][c.LABEL_SERVICE_ROLE] == c.SERVICE_ROLE_HEADLESS
+    assert c.LABEL_POD_INDEX not in headless["spec"]["selector"]
 
 
 def test_export_job(make_cr):
