@@ -185,7 +185,7 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
             raise ServeArgsError(f"--ep_size: {ns.ep_size} must be 1 (experts split by size over all ranks) "
                                  f"or --nnodes {ns.nnodes} (one slice of the experts per rank)")
     _check_range("max_memory_utilization", ns.max_memory_utilization, 0.0, 1.0, low_inclusive=False)
-    _check_range("max_tokens_per_batch", ns.max_tokens_per_batch, 1)
+    _check_range("max_tokens_per_batch", ns.max_tokens_per_batch, k + 1)  # a verify step takes k + 1 tokens
     _check_range("max_seqs_per_batch", ns.max_seqs_per_batch, 1)
     _check_range("block_size", ns.block_size, 1, 1024)
     _check_range("ep_size", ns.ep_size, 1)
@@ -198,7 +198,7 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
         raise ServeArgsError("--dp_size: attention data parallelism is not supported by this build; use --dp_size 1")
     _check_range("max_waiting_requests", ns.max_waiting_requests, 0)
     if ns.max_model_len is not None:
-        _check_range("max_model_len", ns.max_model_len, 1)
+        _check_range("max_model_len", ns.max_model_len, 2)
     _check_range("shutdown_timeout", ns.shutdown_timeout, 0.0)
     if check_devices:
         _check_accelerator("devices", devices)

@@ -79,6 +79,9 @@ def test_out_of_range_and_unsupported_values_name_the_flag(model_dir):
     reject(["--model", m, "--block_size", "0"], "--block_size")
     reject(["--model", m, "--max_seqs_per_batch", "0"], "--max_seqs_per_batch")
     reject(["--model", m, "--max_tokens_per_batch", "0"], "--max_tokens_per_batch")
+    reject(["--model", m, "--draft_model", d, "--num_speculative_tokens", "2", "--max_tokens_per_batch", "2"],
+           "--max_tokens_per_batch")
+    reject(["--model", m, "--max_model_len", "1"], "--max_model_len")
     reject(["--model", m, "--devices", "gpu0"], "--devices")
     reject(["--model", m, "--devices", "cpu,cuda:0"], "--devices")
     reject(["--model", m, "--draft_devices", "cuda:1"], "--draft_devices")
