@@ -75,6 +75,8 @@ def generate(model: CausalLM, prompt_ids: list[int], max_tokens: int, draft: Mtp
     drafter = PagedRunner(draft, capacity, device) if k else None
     gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
     result = GenerationResult(token_ids=[], accepted_per_position=[0] * k)
+    if max_tokens <= 0:
+        return result
     tokens = list(prompt_ids)
 
     def emit(new: list[int]) -> bool:
@@ -92,7 +94,7 @@ def generate(model: CausalLM, prompt_ids: list[int], max_tokens: int, draft: Mtp
     # prefill: main over the prompt, then the draft over the same positions, one token ahead
     n = len(tokens)
     hidden = main.run(tokens, 0)  # [n, H]
-    if emit(pick(model.compute_logits(hidden[-1:]), temperature, gen)) or max_tokens <= 0:
+    if emit(pick(model.compute_logits(hidden[-1:]), temperature, gen)):
         return result
     if not k:
         while True:  # plain decoding

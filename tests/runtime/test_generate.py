@@ -63,6 +63,17 @@ def test_generate_command_json(trained, capsys):
     assert capsys.readouterr().out.rstrip("\n") == out["text"]
 
 
+def test_max_tokens_and_eos_stop(trained):
+    model, draft = trained
+    session = ReferenceSession(model, draft)
+    assert session.generate(PROMPT, max_tokens=0, num_speculative_tokens=2).token_ids == []
+    ids = session.generate(PROMPT, max_tokens=7, num_speculative_tokens=3).token_ids
+    assert len(ids) == 7  # accepted drafts past the limit are dropped
+    session.eos_ids = (ids[2],)
+    stopped = session.generate(PROMPT, max_tokens=7, num_speculative_tokens=3)
+    assert stopped.token_ids == ids[:ids.index(ids[2]) + 1] and stopped.finish_reason == "stop"
+
+
 def test_sampling_is_seeded(trained):
     model, draft = trained
     session = ReferenceSession(model, draft)
