@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from mtp_runtime.reference_generate import PagedRunner
 from mtp_runtime.reference_session import ReferenceSession
 from mtp_runtime.train import corpus_ids
 
@@ -59,6 +60,26 @@ def speculative(session: ReferenceSession, ids: torch.Tensor, prompts: int, prom
             "tokens_per_step": generated / steps, "seconds": time.monotonic() - start}
 
 
+@torch.inference_mode()
+def step_cost_ratio(session: ReferenceSession, ids: torch.Tensor, context: int = 64, steps: int = 30) -> float:
+    """Wall time of one single-token draft step / one single-token main decode step, interleaved."""
+    main = PagedRunner(session.model, context + steps + 1, "cpu")
+    drafter = PagedRunner(session.draft, context + steps + 1, "cpu")
+    tokens = ids[:context + steps + 1].tolist()
+    hidden = main.run(tokens[:context], 0)
+    drafter.run(tokens[1:context + 1], 0, hidden)
+    main_s = draft_s = 0.0
+    for i in range(steps):
+        pos = context + i
+        t0 = time.perf_counter()
+        h = main.run([tokens[pos]], pos)
+        t1 = time.perf_counter()
+        drafter.run([tokens[pos + 1]], pos, h)
+        t2 = time.perf_counter()
+        main_s, draft_s = main_s + t1 - t0, draft_s + t2 - t1
+    return draft_s / main_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="trained checkpoint (make-tiny --train-steps / --preset bench)")
@@ -77,6 +98,7 @@ def main() -> None:
     ids = corpus_ids(args.model, "heldout", args.heldout_bytes)
     tf_rate, tf_positions = teacher_forced(session, ids, args.windows, args.seq_len)
     spec = speculative(session, ids, args.prompts, args.prompt_len, args.max_tokens, args.k)
+    spec["draft_to_main_step_time"] = step_cost_ratio(session, ids)
     print(f"held-out tokens: {ids.numel()}")
     print(f"teacher-forced acceptance, draft position 1: {tf_rate:.3f} over {tf_positions} positions")
     for i in range(args.k):
@@ -84,6 +106,7 @@ def main() -> None:
               f"(conditional on the previous position: {spec['conditional_acceptance'][i]:.3f})")
     print(f"speculative: {spec['generated_tokens']} tokens in {spec['verify_steps']} verify steps = "
           f"{spec['tokens_per_step']:.2f} tokens per main-model step ({spec['seconds']:.0f}s)")
+    print(f"one draft step costs {spec['draft_to_main_step_time']:.2f} of a main decode step (measured side by side)")
     print(json.dumps({"teacher_forced_position1": tf_rate, **spec}))
 
 
