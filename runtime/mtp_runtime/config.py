@@ -210,6 +210,10 @@ class ModelConfig:
         kwargs["partial_rotary_factor"] = float(raw.get("partial_rotary_factor",
                                                         rope.get("partial_rotary_factor", default_partial)))
         kwargs["fp8_block_size"] = _fp8_block_size(raw.get("quantization_config"), source)
+        # The MoE router implemented is DeepSeek-V3's (and GLM-4.5's): sigmoid scores, biased grouped top-k.
+        for key, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if raw.get(key) not in (None, supported):
+                raise ConfigError(f"{source}: {key} {raw[key]!r} is not supported (only {supported!r})")
         return cls(arch=arch, is_mtp=is_mtp, source=source, **kwargs)
 
     @classmethod

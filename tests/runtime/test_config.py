@@ -41,6 +41,7 @@ def test_rope_and_glm_defaults():
     ({"kv_lora_rank": None}, "'kv_lora_rank' must be a positive integer"),
     ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
 ])
 def test_invalid_fields_are_named(change, message):
     raw = dict(build_config("deepseek_v3"), **change)
