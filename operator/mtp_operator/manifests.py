@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from mtp_operator import constants as c
+from mtp_operator.pod_security import container_security_context, pod_security_context
 from mtp_operator.plan import DeploymentPlan, client_service_name, headless_service_name, statefulset_name
 from mtp_operator.settings import OperatorSettings
 from mtp_operator.spec import MtpDeploymentSpec
@@ -45,10 +46,6 @@ def _model_volume(spec: MtpDeploymentSpec, read_only: bool) -> dict[str, Any]:
         return {"name": c.MODEL_VOLUME_NAME,
                 "persistentVolumeClaim": {"claimName": volume.claim_name, "readOnly": read_only}}
     return {"name": c.MODEL_VOLUME_NAME, "hostPath": {"path": volume.host_path, "type": "Directory"}}
-
-
-def _security_context() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
 def _pull_secrets(settings: OperatorSettings) -> list[dict[str, str]]:
@@ -83,11 +80,13 @@ def build_export_job(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: Mappi
         "volumeMounts": [{"name": c.MODEL_VOLUME_NAME, "mountPath": spec.model.mount_path}],
         # On failure the log tail becomes the termination message the operator reports.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": _security_context(),
+        "securityContext": container_security_context(plan.accelerator_kind),
     }
     if step.resources:
         container["resources"] = step.resources
+    # Same user as the ranks: the draft it writes is read by them from the same volume.
     pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container],
+                                "securityContext": pod_security_context(spec, plan.accelerator_kind),
                                 "volumes": [_model_volume(spec, read_only=False)], **_scheduling(spec)}
     if settings.image_pull_secrets:
         pod_spec["imagePullSecrets"] = _pull_secrets(settings)
@@ -148,7 +147,7 @@ def _server_container(plan: DeploymentPlan, spec: MtpDeploymentSpec) -> dict[str
         "ports": [{"name": c.PORT_NAME_HTTP, "containerPort": plan.http_port, "protocol": "TCP"},
                   {"name": c.PORT_NAME_MASTER, "containerPort": plan.master_port, "protocol": "TCP"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": _security_context(),
+        "securityContext": container_security_context(plan.accelerator_kind),
     }
     if plan.resources:
         container["resources"] = plan.resources
@@ -166,6 +165,7 @@ def build_statefulset(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: Mapp
     if plan.accelerator_kind != "cpu":
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
     pod_spec: dict[str, Any] = {"containers": [_server_container(plan, spec)], "volumes": volumes,
+                                "securityContext": pod_security_context(spec, plan.accelerator_kind),
                                 "subdomain": headless_service_name(plan.name), **_scheduling(spec)}
     if settings.image_pull_secrets:
         pod_spec["imagePullSecrets"] = _pull_secrets(settings)

@@ -187,6 +187,8 @@ def plan_deployment(name: str, namespace: str, spec: MtpDeploymentSpec, *, maste
     pod_shape = {"argv": pod_argv, "env": common_env, "image": image, "resources": resources,
                  "volume": spec.model.volume.model_dump(), "mount": spec.model.mount_path,
                  "scheduling": spec.scheduling.model_dump(), "nnodes": spec.nnodes}
+    if spec.security_context is not None:  # absent when unset: existing groups keep their hash
+        pod_shape["securityContext"] = spec.security_context.model_dump(by_alias=True, exclude_none=True)
     return _with_hash(plan, _digest(pod_shape))
 
 

@@ -166,6 +166,51 @@ class ServiceSpec(ApiModel):
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
 
 
+class SeccompProfile(ApiModel):
+    type: Literal["RuntimeDefault", "Localhost", "Unconfined"]
+    localhost_profile: str | None = Field(None, max_length=4096, description="Only with type Localhost.")
+    cel_rules = (
+        CelRule(
+            "has(self.localhostProfile) == (self.type == 'Localhost')",
+            "securityContext.seccompProfile.localhostProfile is set exactly when type is Localhost",
+            lambda d: ("localhostProfile" in d) == (d["type"] == "Localhost"),
+        ),
+    )
+
+
+class SELinuxOptions(ApiModel):
+    user: str | None = None
+    role: str | None = None
+    type: str | None = None
+    level: str | None = None
+
+
+class Sysctl(ApiModel):
+    name: str = Field(pattern=r"^[a-z0-9._/-]+$", max_length=253)
+    value: str = Field(max_length=1024)
+
+
+class PodSecurityContext(ApiModel):
+    """Kubernetes' PodSecurityContext, the fields a runtime pod may need; replaces the operator's default."""
+
+    run_as_user: int | None = Field(None, ge=0)
+    run_as_group: int | None = Field(None, ge=0)
+    run_as_non_root: bool | None = None
+    fs_group: int | None = Field(None, ge=0)
+    fs_group_change_policy: Literal["Always", "OnRootMismatch"] | None = None
+    supplemental_groups: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
+    seccomp_profile: SeccompProfile | None = None
+    se_linux_options: SELinuxOptions | None = None
+    sysctls: list[Sysctl] | None = Field(None, max_length=64)
+    cel_rules = (
+        CelRule(
+            "!(has(self.runAsNonRoot) && self.runAsNonRoot && has(self.runAsUser) && self.runAsUser == 0)",
+            "securityContext.runAsNonRoot cannot be true with runAsUser 0 (the kubelet would refuse the pod)",
+            lambda d: not (d.get("runAsNonRoot") and d.get("runAsUser") == 0),
+        ),
+    )
+
+
 class MtpDeploymentSpec(ApiModel):
     model: ModelSource
     draft_model: DraftModel | None = Field(None, description="Use this draft; else set export.")
@@ -184,6 +229,10 @@ class MtpDeploymentSpec(ApiModel):
     ports: Ports = Field(default_factory=Ports)
     scheduling: Scheduling = Field(default_factory=Scheduling)
     service: ServiceSpec = Field(default_factory=ServiceSpec)
+    security_context: PodSecurityContext | None = Field(
+        None, description="Pod securityContext of the ranks and the export Job; default: non-root (uid 10001) "
+        "except on Ascend NPUs, whose device files usually need root."
+    )
     cel_rules = (
         CelRule(
             "has(self.draftModel) != has(self.export)",

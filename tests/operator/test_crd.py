@@ -92,7 +92,8 @@ def test_every_cel_rule_of_every_model_is_in_the_crd():
     assert "has(self.claimName) != has(self.hostPath)" in rules["spec.model.volume"]
     assert "self.http != self.master" in rules["spec.ports"]
     assert "has(self.resourceName) == (self.count > 0)" in rules["spec.accelerator"]
-    assert len([r for rs in rules.values() for r in rs]) == 10
+    assert len(rules["spec.securityContext"]) == 1 and len(rules["spec.securityContext.seccompProfile"]) == 1
+    assert len([r for rs in rules.values() for r in rs]) == 12
 
 
 # Each CEL rule's intent, checked in Python: a spec that breaks exactly that rule
@@ -110,6 +111,8 @@ CEL_VIOLATIONS = {
     "model under mount": {"model": {"path": "/data/ds"}},
     "accelerator count without name": {"accelerator": {"count": 1}},
     "ports equal": {"ports": {"http": 9000, "master": 9000}},
+    "non-root as uid 0": {"securityContext": {"runAsNonRoot": True, "runAsUser": 0}},
+    "localhost seccomp without profile": {"securityContext": {"seccompProfile": {"type": "Localhost"}}},
 }
 
 

@@ -28,6 +28,13 @@ VARIANTS = {
                             "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "8Gi"}},
                             "env": [{"name": "FOO", "value": "bar"}],
                             "export": {"resources": {"requests": {"cpu": "1"}}}},
+    "npu-security-context": {"accelerator": {"resourceName": "huawei.com/Ascend910", "count": 8},
+                             "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True,
+                                                 "fsGroup": 1000, "fsGroupChangePolicy": "Always",
+                                                 "supplementalGroups": [1001],
+                                                 "seccompProfile": {"type": "Unconfined"},
+                                                 "seLinuxOptions": {"level": "s0:c123,c456"},
+                                                 "sysctls": [{"name": "net.core.somaxconn", "value": "1024"}]}},
 }
 
 
