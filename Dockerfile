@@ -13,8 +13,10 @@ ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 ARG CANN_BASE_IMAGE=ascendai/cann:8.2.rc1-910b-ubuntu22.04-py3.11
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_NPU_VERSION=2.13.0
-# CPU-only torch builds live on PyTorch's own index, not on PyPI.
-ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+# Empty: torch comes from pip's default index configuration (on x86_64 that
+# wheel bundles CUDA libraries and is large). For the small CPU-only wheel,
+# pass PyTorch's CPU wheel index: --build-arg TORCH_CPU_INDEX=<that index URL>.
+ARG TORCH_CPU_INDEX=
 ARG PIP_VERSION=25.2
 ARG APP_UID=10001
 
@@ -55,14 +57,14 @@ ENTRYPOINT ["mtp"]
 CMD ["operator", "--all-namespaces"]
 
 # ---------------------------------------------------------------- runtime
-# CPU runtime: torch pinned and installed first from the CPU index, so the
-# runtime extra cannot pull a CUDA build.
+# CPU runtime: torch pinned and installed first (from TORCH_CPU_INDEX when
+# given), so the runtime extra installs that build and no other.
 FROM python-base AS runtime
 ARG APP_UID
 ARG TORCH_VERSION
 ARG TORCH_CPU_INDEX
 COPY --from=wheel /wheels /wheels
-RUN python -m pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}" \
+RUN python -m pip install ${TORCH_CPU_INDEX:+--index-url "${TORCH_CPU_INDEX}"} "torch==${TORCH_VERSION}" \
     && wheel="$(ls /wheels/mtp_operator-*.whl)" \
     && python -m pip install "torch==${TORCH_VERSION}" "${wheel}[runtime]" \
     && rm -rf /wheels \
@@ -74,7 +76,8 @@ CMD ["serve", "--help"]
 
 # ---------------------------------------------------------------- runtime-npu
 # Ascend NPU runtime on a CANN base image: torch (CPU build, as torch_npu
-# expects) + torch_npu of the same version.
+# expects: the default index has only that on aarch64; on x86_64 pass
+# TORCH_CPU_INDEX) + torch_npu of the same version.
 FROM ${CANN_BASE_IMAGE} AS runtime-npu
 ARG APP_UID
 ARG TORCH_VERSION
@@ -90,7 +93,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=wheel /wheels /wheels
 RUN python3 -m pip install "pip==${PIP_VERSION}" \
-    && python3 -m pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}" \
+    && python3 -m pip install ${TORCH_CPU_INDEX:+--index-url "${TORCH_CPU_INDEX}"} "torch==${TORCH_VERSION}" \
     && wheel="$(ls /wheels/mtp_operator-*.whl)" \
     && python3 -m pip install "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" "${wheel}[runtime]" \
     && rm -rf /wheels \

@@ -119,6 +119,35 @@ def test_torch_pins_match_the_package(dockerfile):
     assert npu.split(".")[:2] == global_args["TORCH_VERSION"].split(".")[:2]
 
 
+# What pip receives for the torch install of a stage, as the image's /bin/sh
+# expands it: the torch install step of its RUN, with pip replaced by printf.
+def torch_install_argv(stage: Stage, index: str) -> list[str]:
+    (run,) = [arg for kw, arg in stage.instructions if kw == "RUN" and "torch==" in arg]
+    (step,) = [part.strip() for part in run.split("&&") if "TORCH_CPU_INDEX" in part]
+    command = re.sub(r"^python3? -m pip install ", r"printf '%s\\n' ", step)
+    assert command != step, f"stage {stage.name}: torch is not installed with pip: {step}"
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True,
+                          env={"TORCH_CPU_INDEX": index, "TORCH_VERSION": "9.9.9", "PATH": "/usr/bin:/bin"})
+    return done.stdout.splitlines()
+
+
+@pytest.mark.parametrize("target", ["runtime", "runtime-npu"])
+def test_torch_index_is_pip_default_unless_given(dockerfile, target):
+    global_args, stages = dockerfile
+    assert global_args["TORCH_CPU_INDEX"] is None, "TORCH_CPU_INDEX must default to empty (pip's own index)"
+    assert torch_install_argv(stages[target], "") == ["torch==9.9.9"]
+    assert torch_install_argv(stages[target], "http://mirror.example/whl cpu") == \
+        ["--index-url", "http://mirror.example/whl cpu", "torch==9.9.9"]
+
+
+def test_no_package_index_url_in_the_dockerfile():
+    # Which index to use is the builder's choice (build args, pip config), never baked in.
+    text = (REPO / "Dockerfile").read_text()
+    assert not re.findall(r"https?://\S+", text)
+    for option in re.findall(r"--(?:extra-)?index-url[ =](\S+)", text):
+        assert option.strip('"').startswith("${"), f"index given literally: {option}"
+
+
 def final_user(stages: dict[str, Stage], target: str) -> str:
     """The user a target's container starts as (root when no USER is set)."""
     user = next((s.last("USER") for s in chain(stages, target) if s.last("USER")), None)
