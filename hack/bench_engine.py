@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("out_dir", type=Path)
     p.add_argument("--archs", default="deepseek_v3,glm4_moe")
     p.add_argument("--train-steps", type=int, default=None, help="default: the bench preset's")
+    p.add_argument("--train-batch", type=int, default=None, help="default: make-tiny's")
+    p.add_argument("--train-seq-len", type=int, default=None, help="default: make-tiny's")
     p.add_argument("--ks", default="0,1,2,3")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -51,64 +53,79 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def build_model(arch: str, out_dir: Path, train_steps: int | None) -> str:
+def build_model(arch: str, out_dir: Path, train: dict) -> str:
+    """The bench preset checkpoint (make-tiny caches the trained weights by their arguments)."""
     model_dir = out_dir / "models" / arch
     args = ["make-tiny", "--arch", arch, "--preset", "bench", "--out", str(model_dir), "--force"]
-    if train_steps is not None:
-        args += ["--train-steps", str(train_steps)]
+    for flag, value in train.items():
+        if value is not None:
+            args += [flag, str(value)]
     if mtp_main(args) != 0:
         raise SystemExit(f"mtp make-tiny failed for {arch}")
     return str(model_dir)
 
 
-def timed(fn, repeats: int):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
+class EngineSystem:
+    """Our engine with k drafts per step (k = 0: plain decoding)."""
 
+    def __init__(self, model_dir: str, k: int, max_model_len: int, max_batch: int):
+        self.k = k
+        self.llm = LLM(model_dir, num_speculative_tokens=k, max_model_len=max_model_len,
+                       max_seqs_per_batch=max_batch, enable_prefix_cache=False)
 
-def bench_engine(model_dir: str, k: int, prompts, batches, max_tokens: int, repeats: int) -> dict:
-    llm = LLM(model_dir, num_speculative_tokens=k, max_model_len=len(prompts[0]) + max_tokens + 8,
-              max_seqs_per_batch=max(batches), enable_prefix_cache=False)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
-    points = {}
-    for b in batches:
-        seconds, outs = timed(lambda: llm.generate(prompts[:b], params), repeats)
+    def run(self, prompts, max_tokens: int):
+        return self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+
+    def point(self, outs, seconds: float, max_tokens: int) -> dict:
         drafted = sum(o.draft_tokens for o in outs)
         steps = sum(o.verify_steps for o in outs)
-        per_pos = [sum(o.accepted_per_position[j] for o in outs) for j in range(k)]
-        points[b] = {
-            "seconds": seconds, "tokens_per_s": b * max_tokens / seconds, "tpot_ms": 1e3 * seconds / max_tokens,
-            "acceptance_rate": sum(per_pos) / drafted if drafted else None,
-            "acceptance_per_position": [n / steps for n in per_pos] if steps else [],
-            "tokens_per_verify_step": (sum(per_pos) + steps) / steps if steps else 1.0,
-            "token_ids": [o.token_ids for o in outs],
-        }
-    return points
+        per_pos = [sum(o.accepted_per_position[j] for o in outs) for j in range(self.k)]
+        return {"acceptance_rate": sum(per_pos) / drafted if drafted else None,
+                "acceptance_per_position": [n / steps for n in per_pos] if steps else [],
+                "tokens_per_verify_step": (sum(per_pos) + steps) / steps if steps else 1.0,
+                "token_ids": [o.token_ids for o in outs]}
 
 
-def bench_transformers(model_dir: str, prompts, batches, max_tokens: int, repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM
+class TransformersSystem:
+    """Hugging Face transformers generate() on the same checkpoint (greedy, equal-length prompts)."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    points = {}
-    for b in batches:
-        ids = torch.tensor(prompts[:b])  # equal-length prompts: no padding
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForCausalLM
 
-        def generate():
-            with torch.inference_mode():
-                return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(self, prompts, max_tokens: int):
+        ids = torch.tensor(prompts)  # equal-length prompts: no padding
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
 
-        generate()  # warm-up
-        seconds, out = timed(generate, repeats)
-        points[b] = {"seconds": seconds, "tokens_per_s": b * max_tokens / seconds,
-                     "tpot_ms": 1e3 * seconds / max_tokens, "token_ids": out[:, ids.shape[1]:].tolist()}
-    return points
+    def point(self, outs, seconds: float, max_tokens: int) -> dict:
+        return {"token_ids": outs}
+
+
+def measure(systems: dict, prompts, batches, max_tokens: int, repeats: int) -> dict:
+    """Best of `repeats` wall times per system and batch. Systems take turns within each
+    repeat, so load changes on the machine hit all of them alike."""
+    for system in systems.values():
+        system.run(prompts[:2], 8)  # warm-up
+    results = {name: {} for name in systems}
+    for b in batches:
+        best = {name: float("inf") for name in systems}
+        for _ in range(repeats):
+            for name, system in systems.items():
+                start = time.perf_counter()
+                outs = system.run(prompts[:b], max_tokens)
+                seconds = time.perf_counter() - start
+                if seconds < best[name]:
+                    best[name] = seconds
+                    results[name][b] = system.point(outs, seconds, max_tokens)
+        for name in systems:
+            results[name][b].update(seconds=best[name], tokens_per_s=b * max_tokens / best[name],
+                                    tpot_ms=1e3 * best[name] / max_tokens)
+        print(b, {name: round(results[name][b]["tokens_per_s"], 1) for name in systems}, flush=True)
+    return results
 
 
 def summarize(systems: dict, ks, batches) -> dict:
@@ -130,6 +147,7 @@ def summarize(systems: dict, ks, batches) -> dict:
     if "transformers" in systems:
         tf = systems["transformers"]
         ratios["k0_over_transformers_batch1"] = k0[b1]["tokens_per_s"] / tf[b1]["tokens_per_s"]
+        ratios["k0_over_transformers_by_batch"] = {b: k0[b]["tokens_per_s"] / tf[b]["tokens_per_s"] for b in batches}
         ratios["transformers_output_matches_k0"] = all(tf[b]["token_ids"] == k0[b]["token_ids"] for b in batches)
     met = {name: ratios[name] >= minimum for name, (_, minimum) in TARGETS.items() if name in ratios}
     return {"speedup": speedup, "efficiency": efficiency, "lossless": lossless, "ratios": ratios, "targets_met": met}
@@ -198,15 +216,15 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results, md = {}, []
     for arch in args.archs.split(","):
-        model_dir = build_model(arch, args.out_dir, args.train_steps)
+        model_dir = build_model(arch, args.out_dir, {"--train-steps": args.train_steps,
+                                                     "--train-batch": args.train_batch,
+                                                     "--train-seq-len": args.train_seq_len})
         prompts = build_prompts(load_tokenizer(model_dir), max(batches), args.prompt_len, seed=0)
-        systems = {}
-        if not args.no_transformers:
-            systems["transformers"] = bench_transformers(model_dir, prompts, batches, args.max_tokens, args.repeats)
-        for k in ks:
-            systems[f"k={k}"] = bench_engine(model_dir, k, prompts, batches, args.max_tokens, args.repeats)
-            print(arch, f"k={k}", {b: round(p["tokens_per_s"], 1) for b, p in systems[f"k={k}"].items()},
-                  flush=True)
+        runners = {} if args.no_transformers else {"transformers": TransformersSystem(model_dir)}
+        max_model_len = args.prompt_len + args.max_tokens + 8
+        runners.update({f"k={k}": EngineSystem(model_dir, k, max_model_len, max(batches)) for k in ks})
+        systems = measure(runners, prompts, batches, args.max_tokens, args.repeats)
+        del runners
         summary = summarize(systems, ks, batches)
         if not all(summary["targets_met"].values()):
             summary["profile_k1_batch1"] = profile_step(model_dir, prompts, args.max_tokens)

@@ -33,14 +33,17 @@ def one_torch_thread():
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-models")
     dirs = {}
-    for arch in ARCHS:
-        out = root / arch
+    # V3.2 twice: an index_topk above every context (the indexer runs, all keys stay selected)
+    # and one far below it (sparse selection decides what each query sees).
+    variants = [(arch, arch, []) for arch in ARCHS] + [("deepseek_v32_sparse", "deepseek_v32", ["--index-topk", "8"])]
+    for name, arch, extra in variants:
+        out = root / name
         args = ["make-tiny", "--arch", arch, "--out", str(out), "--vocab-size", "512",
                 "--num-hidden-layers", "2", "--shards", "1"]
-        if arch == "deepseek_v32":
-            args += ["--index-topk", "8"]  # shorter than the prompts, so the sparse selection matters
-        assert mtp_main(args) == 0
-        dirs[arch] = str(out)
+        if arch == "deepseek_v32" and not extra:
+            extra = ["--index-topk", "128"]
+        assert mtp_main(args + extra) == 0
+        dirs[name] = str(out)
     return dirs
 
 
