@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from .client import RequestResult, completion_payload, stream_completion
-from .server_metrics import scrape_spec_counters
+from .server_metrics import SpecCounters, scrape_spec_counters
 
 
 @dataclass
@@ -34,6 +34,19 @@ class LevelResult:
         return asdict(self)
 
 
+@dataclass
+class LevelRun:
+    """Raw measurements of one batch of requests at one concurrency; runs of a level add up."""
+
+    results: list[RequestResult]
+    duration_s: float
+    spec: SpecCounters
+
+    def plus(self, other: "LevelRun") -> "LevelRun":
+        return LevelRun(self.results + other.results, self.duration_s + other.duration_s,
+                        self.spec.plus(other.spec))
+
+
 async def find_model_name(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> str:
     response = await client.get(f"{base_url}/v1/models", headers=headers)
     response.raise_for_status()
@@ -41,12 +54,13 @@ async def find_model_name(client: httpx.AsyncClient, base_url: str, headers: dic
 
 
 async def run_level(base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                    api_key: str | None = None, temperature: float = 0.0, timeout_s: float = 600.0) -> LevelResult:
+                    api_key: str | None = None, temperature: float = 0.0, timeout_s: float = 600.0,
+                    seed_offset: int = 0) -> LevelRun:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         before = await scrape_spec_counters(client, base_url)
-        queue = list(enumerate(prompts))
+        queue = list(enumerate(prompts, start=seed_offset))
         results: list[RequestResult] = []
 
         async def worker() -> None:
@@ -60,10 +74,11 @@ async def run_level(base_url: str, model: str, prompts: list[list[int]], output_
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         duration = time.perf_counter() - started
         spec = (await scrape_spec_counters(client, base_url)).minus(before)
-    return summarise(concurrency, results, duration, spec)
+    return LevelRun(results, duration, spec)
 
 
-def summarise(concurrency: int, results: list[RequestResult], duration: float, spec) -> LevelResult:
+def summarise(concurrency: int, run: LevelRun) -> LevelResult:
+    results, duration, spec = run.results, run.duration_s, run.spec
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]

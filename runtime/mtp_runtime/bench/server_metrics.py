@@ -35,6 +35,14 @@ class SpecCounters:
             per_position={p: v - before.per_position.get(p, 0.0) for p, v in self.per_position.items()},
         )
 
+    def plus(self, other: "SpecCounters") -> "SpecCounters":
+        positions = set(self.per_position) | set(other.per_position)
+        return SpecCounters(
+            found=self.found or other.found, draft=self.draft + other.draft,
+            accepted=self.accepted + other.accepted, steps=self.steps + other.steps,
+            per_position={p: self.per_position.get(p, 0.0) + other.per_position.get(p, 0.0) for p in positions},
+        )
+
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted / self.draft if self.found and self.draft > 0 else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .client import completion_payload, stream_completion
 from .local_server import LocalServer
 from .prompts import build_prompts
-from .runner import LevelResult, find_model_name, run_level
+from .runner import LevelResult, LevelRun, find_model_name, run_level, summarise
 
 log = logging.getLogger("mtp.bench")
 
@@ -25,6 +25,13 @@ class BenchPlan:
     warmup_requests: int = 2
     seed: int = 0
     temperature: float = 0.0  # 0: greedy
+    rounds: int = 2  # servers take turns this many times within each level
+
+    def chunks(self, prompts: list[list[int]], concurrency: int) -> list[list[list[int]]]:
+        """A level's prompts in `rounds` turns, each still able to keep `concurrency` requests busy."""
+        turns = max(1, min(self.rounds, len(prompts) // concurrency))
+        size = -(-len(prompts) // turns)
+        return [prompts[i:i + size] for i in range(0, len(prompts), size)]
 
     def requests_for(self, concurrency: int) -> int:
         return self.requests_per_level or max(8, 4 * concurrency)
@@ -45,8 +52,8 @@ async def _warm_up(base_url: str, model: str, prompt: list[int], plan: BenchPlan
 
 async def bench_servers(urls: dict[str, str], tokenizer, plan: BenchPlan,
                         api_key: str | None = None) -> dict[str, list[LevelResult]]:
-    """Every level on every server, servers taking turns within a level (the order flips each
-    level), so a machine that gets busier or quieter mid-run does not favour one of them."""
+    """Every level on every server, the servers taking turns within a level (the order flips
+    each turn), so a machine that gets busier or quieter mid-run does not favour one of them."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -57,19 +64,24 @@ async def bench_servers(urls: dict[str, str], tokenizer, plan: BenchPlan,
     for label, url in urls.items():
         await _warm_up(url, models[label], prompts[-1], plan, api_key)
     runs: dict[str, list[LevelResult]] = {label: [] for label in urls}
-    offset = 0
-    for i, concurrency in enumerate(plan.concurrency):
+    offset, turn = 0, 0
+    for concurrency in plan.concurrency:
         n = plan.requests_for(concurrency)
-        order = list(urls) if i % 2 == 0 else list(reversed(urls))
-        for label in order:
-            level = await run_level(urls[label], models[label], prompts[offset:offset + n], plan.output_len,
-                                    concurrency, api_key, plan.temperature)
+        measured: dict[str, LevelRun] = {}
+        for chunk in plan.chunks(prompts[offset:offset + n], concurrency):
+            order = list(urls) if turn % 2 == 0 else list(reversed(urls))
+            for label in order:
+                run = await run_level(urls[label], models[label], chunk, plan.output_len, concurrency, api_key,
+                                      plan.temperature, seed_offset=offset)
+                measured[label] = measured[label].plus(run) if label in measured else run
+            offset, turn = offset + len(chunk), turn + 1
+        for label in urls:
+            level = summarise(concurrency, measured[label])
             log.info("%s concurrency %d: %.1f output tok/s, TPOT %.2f ms, acceptance %s", label, concurrency,
                      level.output_tokens_per_s, level.mean_tpot_ms, level.acceptance_rate)
             if level.failed:
                 log.warning("%d of %d requests failed, first: %s", level.failed, level.requests, level.first_error)
             runs[label].append(level)
-        offset += n
     return runs
 
 

@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests-per-level", type=int, default=0,
                         help="requests at each level (default: max(8, 4 x concurrency))")
     parser.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
+    parser.add_argument("--rounds", type=_positive, default=2,
+                        help="turns the servers take within each level (evens out a machine's load drift)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default): greedy; > 0: sampled, seeded per request, so acceptance is "
                              "speculative sampling's")
@@ -89,9 +91,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtp bench: --tokenizer: {exc}", file=sys.stderr)
         return 2
     plan = BenchPlan(concurrency=args.concurrency, input_len=args.input_len, output_len=args.output_len,
-                     requests_per_level=args.requests_per_level, seed=args.seed, temperature=args.temperature)
+                     requests_per_level=args.requests_per_level, seed=args.seed, temperature=args.temperature,
+                     rounds=args.rounds)
     config = {"input_len": plan.input_len, "output_len": plan.output_len, "concurrency": plan.concurrency,
-              "temperature": plan.temperature,
+              "temperature": plan.temperature, "rounds": plan.rounds,
               "requests_per_level": [plan.requests_for(c) for c in plan.concurrency]}
     try:
         if args.url:

@@ -4,7 +4,8 @@ import json
 
 from mtp_runtime.bench.client import RequestResult
 from mtp_runtime.bench.report import markdown_table, throughput_ratios, write_outputs
-from mtp_runtime.bench.runner import summarise
+from mtp_runtime.bench.runner import LevelRun, summarise
+from mtp_runtime.bench.suite import BenchPlan
 from mtp_runtime.bench.server_metrics import SpecCounters
 
 
@@ -12,7 +13,7 @@ def level(concurrency, tokens_per_request, duration, spec=None):
     results = [RequestResult(ok=True, prompt_tokens=32, output_tokens=tokens_per_request, ttft_s=0.05,
                              latency_s=0.05 + 0.01 * (tokens_per_request - 1))] * (2 * concurrency)
     results = results + [RequestResult(ok=False, error="HTTP 429: full")]
-    return summarise(concurrency, results, duration, spec or SpecCounters(found=False))
+    return summarise(concurrency, LevelRun(results, duration, spec or SpecCounters(found=False)))
 
 
 def test_summary_figures():
@@ -21,6 +22,16 @@ def test_summary_figures():
     assert r.output_tokens == 44 and r.output_tokens_per_s == 22.0 and r.total_tokens_per_s == (44 + 128) / 2
     assert abs(r.mean_tpot_ms - 10.0) < 1e-9 and abs(r.mean_ttft_ms - 50.0) < 1e-9
     assert r.acceptance_rate == 0.75 and r.mean_accepted_per_step == 0.75 and r.accepted_per_position == {0: 0.75}
+
+
+def test_runs_add_up_and_levels_split_into_turns():
+    one = LevelRun([RequestResult(ok=True, output_tokens=10)], 1.0, SpecCounters(True, 4, 3, 4, {0: 3}))
+    two = LevelRun([RequestResult(ok=True, output_tokens=30)], 3.0, SpecCounters(True, 4, 1, 4, {0: 1}))
+    both = summarise(1, one.plus(two))
+    assert both.output_tokens_per_s == 10.0 and both.acceptance_rate == 0.5 and both.accepted_per_position == {0: 0.5}
+    plan = BenchPlan(concurrency=[4], input_len=8, output_len=8, requests_per_level=0, rounds=3)
+    assert [len(c) for c in plan.chunks([[1]] * 16, 4)] == [6, 6, 4]
+    assert [len(c) for c in plan.chunks([[1]] * 8, 8)] == [8]  # a turn keeps the whole concurrency busy
 
 
 def test_comparison_outputs(tmp_path):
