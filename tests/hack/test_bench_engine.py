@@ -1,0 +1,38 @@
+"""hack/bench_engine.py: the ratios, targets and report it derives from measured points."""
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "hack" / "bench_engine.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def point(tokens_per_s, tokens_per_step=1.0, ids=((1, 2),)):
+    return {"tokens_per_s": tokens_per_s, "tpot_ms": 1.0, "tokens_per_verify_step": tokens_per_step,
+            "acceptance_per_position": [], "token_ids": [list(i) for i in ids]}
+
+
+def test_summary_ratios_targets_and_losslessness():
+    bench = load_bench()
+    systems = {
+        "transformers": {1: point(10.0), 16: point(100.0)},
+        "k=0": {1: point(25.0), 16: point(200.0)},
+        "k=1": {1: point(40.0, 1.8), 16: point(230.0, 1.7, ids=((1, 3),))},
+    }
+    summary = bench.summarize(systems, [0, 1], [1, 16])
+    ratios = summary["ratios"]
+    assert ratios["k1_over_k0_batch1"] == 1.6 and ratios["k1_over_k0_batch16"] == 1.15
+    assert abs(ratios["min_efficiency"] - 1.6 / 1.8) < 1e-9
+    assert ratios["k0_over_transformers_batch1"] == 2.5
+    assert summary["targets_met"] == {"k1_over_k0_batch1": True, "best_k_over_k0_batch1": False,
+                                      "k1_over_k0_batch16": False, "min_efficiency": True,
+                                      "k0_over_transformers_batch1": True}
+    assert summary["lossless"] == {"k=0": True, "k=1": False}
+    table = bench.markdown("deepseek_v3", systems, summary, [0, 1], [1, 16])
+    assert "| k=1 | 1 | 40.0 |" in table and "| k=1 / k=0 tokens/s at batch 16 | 1.15 | 1.2 | NO |" in table
