@@ -74,7 +74,7 @@ class ModelRunner:
         self.draft_caches = allocate_caches(draft_spec, self.num_blocks, self.block_size, self.dtype, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
-    # helpers ------------------------------------------------------------------
+    # slots, tensors, generators ---------------------------------------------------
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

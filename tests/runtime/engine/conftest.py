@@ -101,7 +101,7 @@ def _run_requests(engine, requests, arrivals=None):
 
 
 class EngineKit:
-    """The helpers above, handed to tests as one fixture (test modules cannot import conftest)."""
+    """The functions above, handed to tests as one fixture (test modules cannot import conftest)."""
 
     make_engine = staticmethod(_make_engine)
     greedy = staticmethod(_greedy)
