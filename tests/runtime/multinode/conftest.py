@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,10 +16,18 @@ import pytest
 RANK_SCRIPT = Path(__file__).with_name("rank_process.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_tcp_port() -> int:
+    """A free port below the ephemeral range, so the OS does not hand it to another
+    process's outgoing connection before our rank 0 binds it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class RankProcess:
@@ -67,7 +76,20 @@ class RankProcess:
 
 @pytest.fixture
 def free_port() -> int:
-    return _free_port()
+    return free_tcp_port()
+
+
+@pytest.fixture
+def free_ports():
+    """free_ports(n) -> n distinct free ports."""
+    def take(n: int) -> list[int]:
+        ports: list[int] = []
+        while len(ports) < n:
+            port = free_tcp_port()
+            if port not in ports:
+                ports.append(port)
+        return ports
+    return take
 
 
 @pytest.fixture

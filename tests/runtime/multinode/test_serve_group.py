@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import threading
 import time
 
@@ -24,17 +23,7 @@ HEARTBEAT_S = 3.0
 ENV = {"MTP_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S), "MTP_STARTUP_TIMEOUT_S": "120"}
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
-
-
-def start_group(start_rank, model, k, ep_size, nnodes=2):
+def start_group(start_rank, free_ports, model, k, ep_size, nnodes=2):
     """Workers first (reverse order), rank 0 last; returns (ranks, http ports)."""
     master, *http = free_ports(nnodes + 1)
     ranks = {}
@@ -83,8 +72,8 @@ def single_process(tiny_dsv3) -> dict[int, list[str]]:
 
 
 @pytest.mark.parametrize("k, ep_size", [(1, 1), (2, 2)])
-def test_two_ranks_serve_the_single_process_outputs(start_rank, tiny_dsv3, single_process, k, ep_size):
-    ranks, ports = start_group(start_rank, tiny_dsv3, k, ep_size)
+def test_two_ranks_serve_the_single_process_outputs(start_rank, free_ports, tiny_dsv3, single_process, k, ep_size):
+    ranks, ports = start_group(start_rank, free_ports, tiny_dsv3, k, ep_size)
     bodies = wait_healthy(ranks, ports)
     assert [b["state"] for b in bodies] == ["ready", "ready"]
     for prompt, expected in zip(PROMPTS, single_process[k]):
@@ -100,8 +89,8 @@ def test_two_ranks_serve_the_single_process_outputs(start_rank, tiny_dsv3, singl
     assert codes == [0, 0], "\n---\n".join(r.output for r in ranks)
 
 
-def test_killed_worker_fails_the_request_and_the_group(start_rank, tiny_dsv3):
-    ranks, ports = start_group(start_rank, tiny_dsv3, 1, 1)
+def test_killed_worker_fails_the_request_and_the_group(start_rank, free_ports, tiny_dsv3):
+    ranks, ports = start_group(start_rank, free_ports, tiny_dsv3, 1, 1)
     wait_healthy(ranks, ports)
     replies: list[httpx.Response] = []
     request = threading.Thread(target=lambda: replies.append(complete(ports[0], PROMPTS[0], 3000, timeout=90)))
