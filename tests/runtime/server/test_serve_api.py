@@ -4,6 +4,7 @@ Each server start loads torch and a model, so servers are module-scoped and
 the model pair (main + exported draft) from `mtp make-tiny` is built once.
 """
 
+import asyncio
 import json
 import os
 import shutil
@@ -15,7 +16,9 @@ import httpx
 import pytest
 
 from mtp_runtime.bench.local_server import LocalServer, free_port
+from mtp_runtime.bench.prompts import load_tokenizer
 from mtp_runtime.bench.server_metrics import parse_spec_counters
+from mtp_runtime.bench.suite import BenchPlan, bench_servers
 
 pytestmark = pytest.mark.slow  # starts real server processes
 
@@ -223,6 +226,15 @@ def test_full_queue_answers_429_and_recovers(mtp_server, mtp_client):
             client.close()
     assert statuses.count(200) == 6 and statuses.count(429) == 2, statuses
     wait_idle(mtp_client, idle)
+
+
+def test_bench_client_against_this_server(mtp_server, tiny_models):
+    # `mtp bench --url` mode: the model name from /v1/models, the key, acceptance from /metrics
+    plan = BenchPlan(concurrency=[2], input_len=12, output_len=10, requests_per_level=4, warmup_requests=1)
+    tokenizer = load_tokenizer(tiny_models[0])
+    [level] = asyncio.run(bench_servers({"server": mtp_server.base_url}, tokenizer, plan, API_KEY))["server"]
+    assert level.failed == 0 and level.output_tokens == 40 and level.prompt_tokens == 48
+    assert 0 < level.acceptance_rate <= 1 and level.mean_tpot_ms > 0
 
 
 def error(resp: httpx.Response, status: int) -> dict:
