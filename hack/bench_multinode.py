@@ -87,7 +87,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     from mtp_runtime.checkpoint.safetensors_io import READ_STATS
     from mtp_runtime.distributed import set_parallel_state
     from mtp_runtime.multinode.parallel_setup import build_parallel_state
-    from mtp_runtime.multinode.rendezvous import RendezvousConfig, rendezvous
+    from mtp_runtime.multinode.rendezvous import RendezvousConfig, leave_group, rendezvous
 
     torch.set_num_threads(1)
     ep_size = args.nnodes if args.ep_size == "auto" else int(args.ep_size)
@@ -101,6 +101,7 @@ def run_rank(args: argparse.Namespace) -> dict:
         result = lead(args, timer)
     else:
         result = follow(args, timer)
+    leave_group()
     result.update(rank=args.rank, bytes_read=result.get("bytes_read", READ_STATS.bytes_read))
     return result
 

@@ -34,6 +34,7 @@ __all__ = [
     "RendezvousConfig",
     "RendezvousError",
     "backend_for_device",
+    "leave_group",
     "mark_group_ready",
     "parse_master_addr",
     "rendezvous",
@@ -232,3 +233,10 @@ def mark_group_ready(group: GroupHandle, state: NodeState, timeout_s: float) -> 
     wait_for_all_ranks(group.store, LOADED_KEY, group.rank, group.world_size, deadline, "finish loading", state)
     state.ready()
     log.info("rank %d: all %d ranks loaded; group ready", group.rank, group.world_size)
+
+
+def leave_group() -> None:
+    """Tear the process group down before the interpreter exits, so no collective
+    backend thread is left running while static destructors run."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

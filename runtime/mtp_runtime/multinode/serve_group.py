@@ -25,7 +25,13 @@ from mtp_runtime.multinode.liveness import DEFAULT_TIMEOUT_S, Heartbeat
 from mtp_runtime.multinode.node_state import NodeState
 from mtp_runtime.multinode.parallel_setup import build_parallel_state, check_model_fits
 from mtp_runtime.multinode.plan_executor import PlanExecutor, run_worker
-from mtp_runtime.multinode.rendezvous import GroupHandle, RendezvousConfig, mark_group_ready, rendezvous
+from mtp_runtime.multinode.rendezvous import (
+    GroupHandle,
+    RendezvousConfig,
+    leave_group,
+    mark_group_ready,
+    rendezvous,
+)
 from mtp_runtime.multinode.step_plan import DRAFT, MAIN
 
 log = logging.getLogger("mtp_runtime.multinode")
@@ -115,6 +121,7 @@ class GroupMember:
                 log.warning("could not stop the workers cleanly: %s", exc)
         if self.heartbeat is not None:
             self.heartbeat.announce_shutdown()
+        leave_group()
 
 
 def fail_requests_hook(abort_all: Callable[[str], None], flush_s: float = 1.0) -> Callable[[str], None]:
@@ -148,6 +155,7 @@ def serve_worker(args: Any, log_level: str = "info") -> int:
         member.ready()
         code = run_worker(executor, member.plan_group, member.heartbeat.on_collective_error)
         member.heartbeat.leave()
+        leave_group()
         return code
     except Exception as exc:
         member.state.failed(f"{type(exc).__name__}: {exc}")

@@ -25,7 +25,7 @@ from mtp_runtime.models.loader import load_draft, load_model
 from mtp_runtime.multinode.leader import LockstepLeader
 from mtp_runtime.multinode.parallel_setup import build_parallel_state
 from mtp_runtime.multinode.plan_executor import PlanExecutor, allocate_caches, run_worker
-from mtp_runtime.multinode.rendezvous import RendezvousConfig, rendezvous
+from mtp_runtime.multinode.rendezvous import RendezvousConfig, leave_group, rendezvous
 from mtp_runtime.multinode.step_plan import DRAFT, MAIN
 
 PROMPT = [5, 17, 300, 42, 7, 99, 123]
@@ -104,11 +104,14 @@ def main() -> int:
     print(f"BYTES {READ_STATS.bytes_read}", flush=True)
     with torch.inference_mode():
         if group.rank != 0:
-            return run_worker(PlanExecutor(model, draft))
+            code = run_worker(PlanExecutor(model, draft))
+            leave_group()
+            return code
         leader = LockstepLeader()
         result = greedy_mtp_generate(leader.wrap(model, MAIN), leader.wrap(draft, DRAFT), PROMPT, args.k,
                                      args.tokens)
         leader.stop_workers()
+    leave_group()
     result["plans"], result["rows_sent"] = leader.plans_sent, leader.hidden_rows_sent
     print("RESULT " + json.dumps(result), flush=True)
     return 0
