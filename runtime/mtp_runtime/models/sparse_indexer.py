@@ -49,6 +49,9 @@ class SparseIndexer(nn.Module):
         scores = F.relu(scores)  # [..., n, heads, L]
         index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [..., n, L]
         index_scores = index_scores.masked_fill(~allowed, float("-inf"))
-        top = index_scores.topk(self.topk, dim=-1).indices
+        # A stable descending sort breaks ties (e.g. keys whose relu scores are all zero) by key
+        # position, so a query picks the same keys whether or not masked future keys follow it:
+        # verify passes and chunked prefill select exactly what one-token decoding selects.
+        top = index_scores.sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]
         selected = torch.zeros_like(allowed).scatter_(-1, top, True)
-        return allowed & selected
+        return allowed & selected  # masked keys sorted last; any picked (< topk allowed) drop out here

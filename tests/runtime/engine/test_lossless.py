@@ -2,7 +2,8 @@
 
 For every architecture and scenario: single requests, mixed batches where
 requests arrive and finish at different steps, chunked prefill on and off,
-prefix caching, and preemption forced by a tiny KV budget.
+prefix caching, and preemption forced by a tiny KV budget. V3.2 runs with index_topk
+below the contexts, so its sparse key selection is part of every scenario.
 """
 
 import random
@@ -78,16 +79,3 @@ def test_greedy_output_is_identical_to_plain_decoding(kit, tiny_models, arch, k,
         assert 0 < stats.accepted_tokens < stats.draft_tokens
         assert stats.accepted_per_position[k - 1] > 0, "no step accepted all k drafts (bonus token path)"
 
-
-@pytest.mark.xfail(reason="models/sparse_indexer.py select(): torch.topk breaks ties among equal (relu-zero) "
-                          "index scores differently when masked future keys are appended, so a verify pass can "
-                          "select other keys than one-token decoding; a position-stable tie-break fixes it",
-                   strict=False)
-@pytest.mark.parametrize("scenario", ["mixed-chunked-prefix", "preemption"])
-def test_v32_sparse_selection_is_lossless(kit, tiny_models, scenario):
-    spec = SCENARIOS[scenario]
-    expected = reference(kit, tiny_models, "deepseek_v32_sparse", scenario)
-    for k in (1, 3):
-        engine = kit.make_engine(tiny_models["deepseek_v32_sparse"], k, **spec["options"])
-        kit.OracleDrafts(engine, expected, hit_rate=0.7, seed=k)
-        assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
