@@ -7,7 +7,7 @@ a sequence's tokens live in the blocks of its block table, in position order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -21,6 +21,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # B; block ids of seq i
     slot_mapping: torch.Tensor  # [T]; block_id * block_size + offset of each new token
     block_size: int
+    _sequences: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         num_seqs = len(self.context_lens)
@@ -55,6 +56,12 @@ class AttentionMetadata:
     def sequences(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
         """For each sequence: (its rows in the flattened batch, positions of its new tokens [n],
         cache slots of its whole context [context_len])."""
+        # Built once per forward and shared by every layer (the metadata does not change in between).
+        if self._sequences is None:
+            self._sequences = list(self._build_sequences())
+        return iter(self._sequences)
+
+    def _build_sequences(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
         device = self.slot_mapping.device
         for i, ctx in enumerate(self.context_lens):
             start, end = self.query_start_loc[i], self.query_start_loc[i + 1]

@@ -16,6 +16,11 @@ from mtp_runtime.distributed import ParallelState, get_parallel_state
 from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, load_full
 
 
+# Up to this many (token, expert) pairs per step, copying the chosen experts' weights and using bmm
+# beats looping over experts (measured by hack/profile_step.py on the bench model).
+GATHERED_MAX_PAIRS = 16
+
+
 class DenseMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelState | None = None):
         super().__init__()
@@ -105,6 +110,24 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights/ids [N, k] -> weighted sum of this rank's experts [N, H]."""
+        if ids.numel() <= GATHERED_MAX_PAIRS:
+            return self._forward_gathered(x, weights, ids)
+        return self._forward_per_expert(x, weights, ids)
+
+    def _forward_gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Few tokens (decode, verify): copy each (token, expert) pair's weights and run all pairs in
+        two bmm calls, with no host sync and no per-expert Python loop."""
+        local_ids = ids - self.local.start
+        is_local = (local_ids >= 0) & (local_ids < len(self.local))  # others belong to other EP ranks
+        local_ids = local_ids.clamp(0, len(self.local) - 1).flatten()  # [N*k]
+        h = x.unsqueeze(1).expand(-1, ids.shape[1], -1).reshape(-1, 1, x.shape[-1])  # [N*k, 1, H]
+        gate, up = torch.bmm(h, self.w13[local_ids].transpose(1, 2)).chunk(2, dim=-1)  # [N*k, 1, I] each
+        y = torch.bmm(F.silu(gate) * up, self.w2[local_ids].transpose(1, 2)).view(*ids.shape, -1)  # [N, k, H]
+        scale = torch.where(is_local, weights, torch.zeros_like(weights)).to(y.dtype)
+        return (y * scale.unsqueeze(-1)).sum(dim=1)
+
+    def _forward_per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Many tokens (prefill, training): one matmul pair per expert over the tokens routed to it."""
         out = torch.zeros_like(x)
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
         for local, expert_id in enumerate(self.local):
