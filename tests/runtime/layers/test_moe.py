@@ -1,0 +1,53 @@
+"""Routed experts: the gathered small-batch path computes what the per-expert loop computes."""
+
+import pytest
+import torch
+
+from mtp_runtime.checkpoint.configs import build_config
+from mtp_runtime.config import ModelConfig
+from mtp_runtime.distributed import ParallelState
+from mtp_runtime.layers import moe
+from mtp_runtime.layers.moe import RoutedExperts, TopkRouter
+
+
+def experts_and_routing(num_tokens, parallel=None, seed=0):
+    config = ModelConfig.from_dict(build_config("deepseek_v3", hidden_size=32, moe_intermediate_size=16,
+                                                n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                                                topk_group=2))
+    gen = torch.Generator().manual_seed(seed)
+    experts = RoutedExperts(config, parallel)
+    router = TopkRouter(config)
+    with torch.no_grad():
+        for p in (experts.w13, experts.w2, router.weight):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(num_tokens, 32, generator=gen)
+    weights, ids = router(x)
+    return experts, x, weights, ids
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 5])
+def test_gathered_path_matches_per_expert_loop(num_tokens):
+    experts, x, weights, ids = experts_and_routing(num_tokens)
+    gathered = experts._forward_gathered(x, weights, ids)
+    looped = experts._forward_per_expert(x, weights, ids)
+    assert torch.allclose(gathered, looped, atol=1e-6)
+    assert gathered.abs().max() > 0
+
+
+def test_gathered_path_skips_other_ranks_experts():
+    # Rank 1 of 2 holds experts 4..7; tokens routed to 0..3 get nothing from it.
+    experts, x, weights, ids = experts_and_routing(4, ParallelState(ep_rank=1, ep_size=2), seed=1)
+    assert (ids < 4).any() and (ids >= 4).any()
+    assert torch.allclose(experts._forward_gathered(x, weights, ids),
+                          experts._forward_per_expert(x, weights, ids), atol=1e-6)
+
+
+def test_forward_picks_the_path_by_pair_count(monkeypatch):
+    experts, x, weights, ids = experts_and_routing(2)
+    calls = []
+    monkeypatch.setattr(RoutedExperts, "_forward_per_expert", lambda self, *a: calls.append("loop"))
+    monkeypatch.setattr(RoutedExperts, "_forward_gathered", lambda self, *a: calls.append("gathered"))
+    experts(x, weights, ids)
+    monkeypatch.setattr(moe, "GATHERED_MAX_PAIRS", ids.numel() - 1)
+    experts(x, weights, ids)
+    assert calls == ["gathered", "loop"]
