@@ -94,8 +94,10 @@ def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
     return keys[None, :] <= query_positions[:, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H, D], k [L, Hk, D], v [L, Hk, Dv], allowed [n, L] -> [n, H, Dv]. Hk divides H (GQA/MQA)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
+    """q [n, H, D], k [L, Hk, D], v [L, Hk, Dv], allowed [n, L] (None: every key) -> [n, H, Dv].
+    Hk divides H (GQA/MQA)."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=allowed, scale=scale, enable_gqa=k.shape[1] != q.shape[1],

@@ -121,8 +121,9 @@ class RoutedExperts(nn.Module):
         is_local = (local_ids >= 0) & (local_ids < len(self.local))  # others belong to other EP ranks
         local_ids = local_ids.clamp(0, len(self.local) - 1).flatten()  # [N*k]
         h = x.unsqueeze(1).expand(-1, ids.shape[1], -1).reshape(-1, 1, x.shape[-1])  # [N*k, 1, H]
-        gate, up = torch.bmm(h, self.w13[local_ids].transpose(1, 2)).chunk(2, dim=-1)  # [N*k, 1, I] each
-        y = torch.bmm(F.silu(gate) * up, self.w2[local_ids].transpose(1, 2)).view(*ids.shape, -1)  # [N, k, H]
+        w13, w2 = self.w13.index_select(0, local_ids), self.w2.index_select(0, local_ids)
+        gate, up = torch.bmm(h, w13.transpose(1, 2)).chunk(2, dim=-1)  # [N*k, 1, I] each
+        y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(*ids.shape, -1)  # [N, k, H]
         scale = torch.where(is_local, weights, torch.zeros_like(weights)).to(y.dtype)
         return (y * scale.unsqueeze(-1)).sum(dim=1)
 

@@ -55,7 +55,9 @@ class GQAttention(nn.Module):
         out = torch.empty_like(q)
         for rows, positions, slots in meta.sequences():
             keys, values = gather_cache(cache["k"], slots), gather_cache(cache["v"], slots)
-            out[rows] = attend(q[rows], keys, values, causal_mask(positions, keys.shape[0]), self.scale)
+            # A single new token (decode) sees its whole context: no mask to build or apply.
+            allowed = None if positions.shape[0] == 1 else causal_mask(positions, keys.shape[0])
+            out[rows] = attend(q[rows], keys, values, allowed, self.scale)
         return self.o_proj(out.flatten(-2))
 
     def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

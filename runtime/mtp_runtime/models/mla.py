@@ -84,7 +84,9 @@ class MLAttention(nn.Module):
         out = x.new_empty(x.shape[0], self.num_heads, self.kv_rank)
         for rows, positions, slots in meta.sequences():
             keys = gather_cache(cache["latent"], slots).unsqueeze(1)  # [L, 1, r + rope]
-            allowed = causal_mask(positions, keys.shape[0])
+            # A single new token (decode) sees its whole context: no mask to build or apply.
+            allowed = None if self.indexer is None and positions.shape[0] == 1 else \
+                causal_mask(positions, keys.shape[0])
             if self.indexer is not None:
                 allowed = self.indexer.select(iq[rows], gather_cache(cache["index_k"], slots), iw[rows], allowed)
             out[rows] = attend(q[rows], keys, keys[..., : self.kv_rank], allowed, self.scale)
