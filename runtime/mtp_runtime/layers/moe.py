@@ -54,9 +54,8 @@ class TopkRouter(nn.Module):
         grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
         group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
         group_ids = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-        group_keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
-        expert_keep = group_keep.unsqueeze(-1).expand_as(grouped).reshape(-1, cfg.n_routed_experts)
-        choice = choice.masked_fill(~expert_keep, float("-inf"))
+        group_drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, False)
+        choice = grouped.masked_fill(group_drop.unsqueeze(-1), float("-inf")).flatten(1)
         ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
         if self.training:
             self.last_load = torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts)
