@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=None, help="default: the bench preset's")
     p.add_argument("--train-batch", type=int, default=None, help="default: make-tiny's")
     p.add_argument("--train-seq-len", type=int, default=None, help="default: make-tiny's")
+    p.add_argument("--train-threads", type=int, default=None,
+                   help="default: make-tiny's (part of its cache key: match an earlier build to reuse it)")
     p.add_argument("--ks", default="0,1,2,3")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -218,7 +220,8 @@ def main() -> None:
     for arch in args.archs.split(","):
         model_dir = build_model(arch, args.out_dir, {"--train-steps": args.train_steps,
                                                      "--train-batch": args.train_batch,
-                                                     "--train-seq-len": args.train_seq_len})
+                                                     "--train-seq-len": args.train_seq_len,
+                                                     "--train-threads": args.train_threads})
         prompts = build_prompts(load_tokenizer(model_dir), max(batches), args.prompt_len, seed=0)
         runners = {} if args.no_transformers else {"transformers": TransformersSystem(model_dir)}
         max_model_len = args.prompt_len + args.max_tokens + 8
