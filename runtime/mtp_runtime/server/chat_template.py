@@ -16,7 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class ChatTemplateError(ValueError):
-    pass
+    """The model's chat template is missing, broken or rejects the messages."""
 
 
 def _raise_exception(message: str):

@@ -11,13 +11,14 @@ themselves, as the kubelet and the Job controller would.
 from __future__ import annotations
 
 import asyncio
-import copy
+import importlib.util
 import itertools
 import json
 import threading
 import time
 import uuid
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable
 
 import aiohttp.web
@@ -36,39 +37,19 @@ CR = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
 _versions = itertools.count(1)
 
 
-def _matches(labels: dict[str, str], selector: str) -> bool:
-    for term in filter(None, selector.split(",")):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            if labels.get(key) == value:
-                return False
-        elif "=" in term:
-            key, value = term.split("=", 1)
-            if labels.get(key) != value.lstrip("="):
-                return False
-        elif term not in labels:
-            return False
-    return True
+def _load_fake_apiserver():
+    """The benchmark's in-memory API server (hack/) holds the label-selector
+    and JSON-patch code this emulator needs too; load it rather than copy it."""
+    path = Path(__file__).resolve().parents[3] / "hack" / "fake_apiserver.py"
+    spec = importlib.util.spec_from_file_location("mtp_fake_apiserver", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _json_patch(doc: dict, ops: list[dict]) -> dict:
-    """RFC 6902 subset kopf uses for finalizers: test, add, replace, remove."""
-    doc = copy.deepcopy(doc)
-    for op in ops:
-        *parents, last = op["path"].split("/")[1:]
-        node: Any = doc
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-        if op["op"] == "test" and (node.get(last) if isinstance(node, dict) else node[int(last)]) != op["value"]:
-            raise ValueError(op["path"])
-        if op["op"] in ("add", "replace"):
-            if isinstance(node, list):
-                node.append(op["value"]) if last == "-" else node.insert(int(last), op["value"])
-            else:
-                node[last] = op["value"]
-        elif op["op"] == "remove":
-            del node[int(last) if isinstance(node, list) else last]
-    return doc
+_fake = _load_fake_apiserver()
+_matches = _fake.label_match
+_json_patch = _fake.json_patch
 
 
 class ApiServer(kmock.KubernetesEmulator):
