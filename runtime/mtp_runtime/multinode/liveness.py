@@ -29,6 +29,8 @@ log = logging.getLogger("mtp_runtime.multinode")
 HEARTBEAT_KEY = "mtp/heartbeat"
 SHUTDOWN_KEY = "mtp/shutdown"
 LEFT_KEY = "mtp/left"
+VERDICT_KEY = "mtp/lost"
+VERDICT_ACK_KEY = "mtp/lost-seen"
 # Exit status of a rank that left because another rank was lost.
 RANK_LOST_EXIT_CODE = 4  # 2: bad flags, 3: model failed to load (mtp serve)
 DEFAULT_TIMEOUT_S = 30.0
@@ -118,10 +120,41 @@ class Heartbeat:
         who = f"rank {lost_rank} lost" if lost_rank is not None else "group failed"
         message = f"rank {self.rank}: {who}: {reason}; exiting so the whole group restarts"
         log.error(message)
+        if lost_rank is not None:
+            self._publish_verdict(lost_rank, reason)
         if self.state is not None:
             self.state.failed(message)
         self._run_hooks(message)
+        if self.rank == 0 and lost_rank is not None:
+            self._wait_for_survivors(lost_rank)
         self.exit_fn(RANK_LOST_EXIT_CODE)
+
+    def _publish_verdict(self, lost_rank: int, reason: str) -> None:
+        """Best effort: the store may be the thing that is gone."""
+        try:
+            # compare_set: the first verdict stays, a later one does not overwrite it.
+            self.store.compare_set(VERDICT_KEY, "", f"{lost_rank}|{self.rank}|{reason}")
+            self.store.set(f"{VERDICT_ACK_KEY}/{self.rank}", "1")
+        except Exception as exc:
+            log.warning("rank %d: could not share the verdict through the store (%s)", self.rank, exc)
+
+    def _wait_for_survivors(self, lost_rank: int) -> None:
+        """Rank 0 holds the store: keep it up until the survivors read the verdict."""
+        pending = [f"{VERDICT_ACK_KEY}/{r}" for r in self._others if r != lost_rank]
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while pending and time.monotonic() < deadline:
+                pending = [k for k in pending if not self.store.check([k])]
+                if pending:
+                    time.sleep(self.interval_s / 2)
+        except Exception as exc:
+            log.warning("rank 0: stopped waiting for the survivors (%s)", exc)
+
+    def _read_verdict(self) -> tuple[int, str] | None:
+        if not self.store.check([VERDICT_KEY]):
+            return None
+        lost, reporter, reason = self.store.get(VERDICT_KEY).decode().split("|", 2)
+        return int(lost), f"{reason} (noticed by rank {reporter})"
 
     def _run_hooks(self, reason: str) -> None:
         def run_all() -> None:
@@ -141,6 +174,10 @@ class Heartbeat:
                 self._beat()
                 if self.store.check([SHUTDOWN_KEY]):
                     self._leave_cleanly()
+                    return
+                verdict = self._read_verdict()
+                if verdict is not None:
+                    self.fail(verdict[1], lost_rank=verdict[0])
                     return
                 self._watch_others()
             except Exception as exc:  # the store lives on rank 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 from mtp_runtime.multinode.liveness import RANK_LOST_EXIT_CODE
@@ -65,3 +66,34 @@ def test_announced_shutdown_exits_cleanly(start_rank, free_port):
     codes, _ = wait_exits(ranks, BOUND_S + 5)
     assert codes == [0, 0], "\n---\n".join(r.output for r in ranks)
     assert "master announced shutdown" in ranks[1].output
+
+
+def test_every_survivor_names_the_rank_that_rank_0_found_lost(free_port):
+    """The verdict travels through the store: a survivor that only sees the
+    collective break still names rank 1, not rank 0 (whose store goes away)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from mtp_runtime.multinode.liveness import Heartbeat
+
+    store = dist.TCPStore("127.0.0.1", free_port, 3, True, timedelta(seconds=10), wait_for_workers=False)
+    exits: dict[int, int] = {}
+    done = {r: threading.Event() for r in (0, 2)}
+
+    def exit_for(rank):
+        def record(code):
+            exits[rank] = code
+            done[rank].set()
+        return record
+
+    beats = {r: Heartbeat(store, r, 3, timeout_s=60.0, interval_s=0.05, exit_fn=exit_for(r)) for r in (0, 2)}
+    reasons: list[str] = []
+    beats[2].add_failure_hook(reasons.append)
+    for beat in beats.values():
+        beat.start()
+    beats[0].fail("no heartbeat for 3.1s (timeout 3s, last beat #7)", lost_rank=1)
+    assert done[2].wait(5) and done[0].wait(5)
+    assert exits == {0: RANK_LOST_EXIT_CODE, 2: RANK_LOST_EXIT_CODE}
+    assert reasons and reasons[0].startswith("rank 2: rank 1 lost: no heartbeat for 3.1s")
+    assert "noticed by rank 0" in reasons[0]
