@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mtp_runtime.multinode.liveness import Heartbeat
 from mtp_runtime.multinode.node_state import NodeState
-from mtp_runtime.multinode.rendezvous import RendezvousConfig, mark_group_ready, rendezvous
+from mtp_runtime.multinode.rendezvous import RendezvousConfig, leave_group, mark_group_ready, rendezvous
 from mtp_runtime.multinode.step_plan import STOP, StepPlan, broadcast_plan
 
 # Name the master goes by in these tests; it only "resolves" through the
@@ -86,6 +86,7 @@ def main() -> int:
         if group.rank == 0:
             time.sleep(1.0)
             heartbeat.announce_shutdown()
+            leave_group()
             return 0
         time.sleep(60)
         return 1  # never reached when the shutdown arrives
@@ -111,6 +112,9 @@ def run_plans(rank: int, count: int = 20) -> int:
         plan, _ = broadcast_plan(plan)
         payload = plan.encode()
         print(f"PLAN {hashlib.sha256(payload.numpy().tobytes()).hexdigest()[:16]} {payload.numel()}", flush=True)
+    # As `mtp serve` does: no collective backend thread may outlive the interpreter
+    # (a process that skips this can abort at exit with "terminate called ...").
+    leave_group()
     return 0 if plan.kind == STOP else 1
 
 if __name__ == "__main__":
