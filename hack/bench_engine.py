@@ -8,7 +8,11 @@ verify step, efficiency = (speed-up over k=0) / (tokens per verify step), and
 the target ratios. Every k's output is checked token-for-token against k=0.
 Writes results.json, results.md and speedup.png into OUT_DIR.
 
-    python hack/bench_engine.py OUT_DIR [--archs deepseek_v3,glm4_moe] [--train-steps N]
+    python hack/bench_engine.py OUT_DIR [--archs deepseek_v3,glm4_moe] [--train-steps N] [--enable-graph]
+
+With --enable-graph our engine runs in graph mode (decode steps compiled, as
+`mtp serve --enable_graph`), and an eager k=0 runs alongside for reference;
+the compile time at start-up is reported, not counted in tokens/s.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="best of N runs per point")
     p.add_argument("--threads", type=int, default=1, help="torch threads, the same for every system")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--enable-graph", action="store_true", help="our engine in graph mode (torch.compile)")
     return p.parse_args()
 
 
@@ -70,10 +75,11 @@ def build_model(arch: str, out_dir: Path, train: dict) -> str:
 class EngineSystem:
     """Our engine with k drafts per step (k = 0: plain decoding)."""
 
-    def __init__(self, model_dir: str, k: int, max_model_len: int, max_batch: int):
+    def __init__(self, model_dir: str, k: int, max_model_len: int, max_batch: int, enable_graph: bool = False):
         self.k = k
         self.llm = LLM(model_dir, num_speculative_tokens=k, max_model_len=max_model_len,
-                       max_seqs_per_batch=max_batch, enable_prefix_cache=False)
+                       max_seqs_per_batch=max_batch, enable_prefix_cache=False, enable_graph=enable_graph)
+        self.compile_s = self.llm.engine.runner.graph_warm_up_s
 
     def run(self, prompts, max_tokens: int):
         return self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
@@ -225,10 +231,19 @@ def main() -> None:
         prompts = build_prompts(load_tokenizer(model_dir), max(batches), args.prompt_len, seed=0)
         runners = {} if args.no_transformers else {"transformers": TransformersSystem(model_dir)}
         max_model_len = args.prompt_len + args.max_tokens + 8
-        runners.update({f"k={k}": EngineSystem(model_dir, k, max_model_len, max(batches)) for k in ks})
+        if args.enable_graph:
+            runners["k=0 eager"] = EngineSystem(model_dir, 0, max_model_len, max(batches))
+        runners.update({f"k={k}": EngineSystem(model_dir, k, max_model_len, max(batches), args.enable_graph)
+                        for k in ks})
+        compile_s = {name: round(r.compile_s, 1) for name, r in runners.items() if getattr(r, "compile_s", 0)}
+        print(f"{arch}: graph compile seconds at start-up {compile_s}", flush=True)
         systems = measure(runners, prompts, batches, args.max_tokens, args.repeats)
         del runners
         summary = summarize(systems, ks, batches)
+        if "k=0 eager" in systems:
+            summary["ratios"]["k0_graph_over_eager_by_batch"] = {
+                b: systems["k=0"][b]["tokens_per_s"] / systems["k=0 eager"][b]["tokens_per_s"] for b in batches}
+            summary["graph_compile_s"] = compile_s
         if not all(summary["targets_met"].values()):
             summary["profile_k1_batch1"] = profile_step(model_dir, prompts, args.max_tokens)
         for points in systems.values():

@@ -24,6 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # explicit block count (tests, tiny budgets); None: sized from memory
     seed: int = 0  # generator for requests without their own seed
+    enable_graph: bool = False  # decode/verify/draft forwards compiled (torch.compile); start-up compiles them
 
     def __post_init__(self) -> None:
         if not Path(self.model, "config.json").is_file():
@@ -48,7 +49,7 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda", "npu"),
                "device", self.device, "cpu, cuda[:i] or npu[:i]")
-        for name in ("enable_prefix_cache", "enable_chunked_prefill"):
+        for name in ("enable_prefix_cache", "enable_chunked_prefill", "enable_graph"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
 
     @property

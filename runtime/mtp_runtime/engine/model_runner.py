@@ -11,6 +11,8 @@ them (see runtime/README.md, "Speculative step").
 
 from __future__ import annotations
 
+import logging
+
 import psutil
 import torch
 
@@ -19,7 +21,10 @@ from mtp_runtime.engine.sampler import RowParams, probabilities, sample_from, sp
 from mtp_runtime.engine.scheduler import ScheduledBatch
 from mtp_runtime.engine.sequence import Sequence
 from mtp_runtime.layers.attention import AttentionMetadata
+from mtp_runtime.models.graph import warm_up
 from mtp_runtime.models.loader import load_draft, load_model
+
+log = logging.getLogger("mtp_runtime.engine")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +66,13 @@ class ModelRunner:
             self.draft = load_draft(config.draft_model or config.model, main=self.main, dtype=self.dtype,
                                     device=config.device)
         self.model_config = self.main.config
+        if config.enable_graph:
+            if self.model_config.arch == "deepseek_v32":
+                raise ValueError("enable_graph: not supported for deepseek_v32 in this build (its indexer picks "
+                                 "keys sequence by sequence); run it without --enable_graph")
+            self.main.enable_graph()
+            if self.draft is not None:
+                self.draft.enable_graph()
         self.vocab_size = self.model_config.vocab_size
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
@@ -73,6 +85,41 @@ class ModelRunner:
         self.main_caches = allocate_caches(main_spec, self.num_blocks, self.block_size, self.dtype, self.device)
         self.draft_caches = allocate_caches(draft_spec, self.num_blocks, self.block_size, self.dtype, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.graph_warm_up_s = self._warm_up_graphs() if config.enable_graph else 0.0
+
+    def _warm_up_graphs(self) -> float:
+        """Compile the decode-step graphs now, on dummy tokens in block 0 (no sequence owns a block
+        yet, and a block's slots are written before they are read), so no request waits for them."""
+        def metadata(news: list[int], context_lens: list[int]) -> AttentionMetadata:
+            qsl = [0]
+            for n in news:
+                qsl.append(qsl[-1] + n)
+            blocks = -(-max(context_lens) // self.block_size)
+            tables = [[b % self.num_blocks for b in range(blocks)] for _ in news]
+            slots = [p % self.block_size + (p // self.block_size % self.num_blocks) * self.block_size
+                     for n, ctx in zip(news, context_lens) for p in range(ctx - n, ctx)]
+            return AttentionMetadata(qsl, context_lens, tables, self._tensor(slots), self.block_size)
+
+        def positions(news, context_lens) -> torch.Tensor:
+            return self._tensor([p for n, ctx in zip(news, context_lens) for p in range(ctx - n, ctx)])
+
+        def run_main(news, context_lens):
+            total = sum(news)
+            self.main(self._tensor([1] * total), positions(news, context_lens), self.main_caches,
+                      metadata(news, context_lens))
+
+        def run_draft(news, context_lens):
+            total = sum(news)
+            hidden = torch.zeros(total, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+            self.draft(self._tensor([1] * total), hidden, positions(news, context_lens), self.draft_caches,
+                       metadata(news, context_lens))
+
+        with torch.inference_mode():
+            seconds = warm_up(self.main, run_main, self.k)
+            if self.draft is not None:
+                seconds += warm_up(self.draft, run_draft, self.k)
+        log.info("graph mode: decode graphs compiled in %.1fs", seconds)
+        return seconds
 
     # slots, tensors, generators ---------------------------------------------------
 

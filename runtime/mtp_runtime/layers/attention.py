@@ -3,6 +3,12 @@
 A step processes a flattened batch: the new tokens of several sequences, one
 after another. Each cache is a tensor [num_blocks, block_size, *per_token_shape];
 a sequence's tokens live in the blocks of its block table, in position order.
+
+Two ways to attend: sequence by sequence (`AttentionMetadata.sequences`, for
+prefill chunks), or, when every sequence brings only a few new tokens (decode
+and verify steps), all sequences at once as a padded batch (`DecodeBatch`):
+one gather of every context's keys, one pair of matmuls and one softmax for
+the whole step, whatever the number of sequences.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]; block_id * block_size + offset of each new token
     block_size: int
     _sequences: list | None = field(default=None, init=False, repr=False, compare=False)
+    _decode_batch: "DecodeBatch | None | bool" = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         num_seqs = len(self.context_lens)
@@ -70,11 +77,129 @@ class AttentionMetadata:
             positions = torch.arange(ctx - (end - start), ctx, device=device)
             yield slice(start, end), positions, self.context_slots(i, device)
 
+    def decode_batch(self) -> "DecodeBatch | None":
+        """The step as a padded batch when every sequence has at most DECODE_MAX_NEW new tokens, else
+        None. Built once per forward and shared by every layer."""
+        if self._decode_batch is False:
+            self._decode_batch = DecodeBatch.build(self)
+        return self._decode_batch
+
     def context_slots(self, i: int, device: torch.device | str = "cpu") -> torch.Tensor:
         ctx = self.context_lens[i]
         blocks = torch.tensor(self.block_tables[i][: -(-ctx // self.block_size)], dtype=torch.long, device=device)
         offsets = torch.arange(self.block_size, device=device)
         return (blocks[:, None] * self.block_size + offsets[None, :]).flatten()[:ctx]
+
+
+# Sequences with more new tokens than this (prefill chunks) attend one by one.
+DECODE_MAX_NEW = 16
+
+
+@dataclass
+class DecodeBatch:
+    """B sequences with at most n new tokens each, padded to n queries over L keys.
+
+    Every field is always a tensor (padding and masks that happen to be trivial included), so a
+    compiled graph sees one structure for every step and never recompiles for it.
+    query_rows: [B * n] rows of the flattened batch to read, padding repeating a real row.
+    out_index: [num tokens] position in the padded [B * n] of each flattened row.
+    key_slots: [B * L] cache slots, each sequence's context then padding (its first slot again).
+    blocked: [B, n, 1, L] True where a query must not see a key (padding, later positions).
+    """
+
+    query_rows: torch.Tensor
+    out_index: torch.Tensor
+    key_slots: torch.Tensor
+    blocked: torch.Tensor
+
+    # B, n and L are read off the mask's shape (not kept as ints) so that a compiled graph treats
+    # them as dynamic sizes rather than constants to specialise on.
+    @property
+    def num_seqs(self) -> int:
+        return self.blocked.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.blocked.shape[1]
+
+    @property
+    def num_keys(self) -> int:
+        return self.blocked.shape[3]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "DecodeBatch | None":
+        qsl, ctx_lens = meta.query_start_loc, meta.context_lens
+        news = [qsl[i + 1] - qsl[i] for i in range(len(ctx_lens))]
+        if not news or max(news) > DECODE_MAX_NEW or min(news) == 0:
+            return None
+        device = meta.slot_mapping.device
+        n, keys = max(news), max(ctx_lens)
+        bs = meta.block_size
+        slots: list[int] = []
+        rows: list[int] = []
+        index: list[int] = []
+        for i, (table, ctx, new) in enumerate(zip(meta.block_tables, ctx_lens, news)):
+            seq_slots = [table[p // bs] * bs + p % bs for p in range(ctx)]
+            slots += seq_slots + [seq_slots[0]] * (keys - ctx)
+            rows += list(range(qsl[i], qsl[i + 1])) + [qsl[i]] * (n - new)
+            index += range(i * n, i * n + new)
+        key_pos = torch.arange(keys, device=device)
+        ctx = torch.tensor(ctx_lens, device=device)
+        new = torch.tensor(news, device=device)
+        # query j of sequence i sits at position ctx_i - new_i + j (padding queries: clamped, unused)
+        q_pos = torch.minimum((ctx - new)[:, None] + torch.arange(n, device=device)[None, :], (ctx - 1)[:, None])
+        blocked = (key_pos[None, None, :] > q_pos[:, :, None]).unsqueeze(2)  # [B, n, 1, L]
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor(rows), as_tensor(index), as_tensor(slots), blocked)
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Flattened [T, *shape] -> padded [B, n, *shape]."""
+        return q.index_select(0, self.query_rows).view(self.num_seqs, self.n, *q.shape[1:])
+
+    def outputs(self, out: torch.Tensor) -> torch.Tensor:
+        """Padded [B, n, *shape] -> flattened [T, *shape] (padding rows dropped)."""
+        return out.reshape(self.num_seqs * self.n, *out.shape[2:]).index_select(0, self.out_index)
+
+    def keys(self, cache: torch.Tensor) -> torch.Tensor:
+        """Every sequence's context from a paged cache: [B, L, *per_token_shape]."""
+        flat = cache.view(-1, *cache.shape[2:]).index_select(0, self.key_slots)
+        return flat.view(self.num_seqs, self.num_keys, *cache.shape[2:])
+
+    def softmax(self, scores: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+        """scores [B, n, heads, L] (grouped: [B, Hk, n, g, L]) -> probabilities, blocked keys at
+        zero; float32 statistics whatever the working dtype."""
+        blocked = self.blocked.view(self.num_seqs, 1, self.n, 1, self.num_keys) if grouped else self.blocked
+        scores = scores.masked_fill(blocked, float("-inf"))
+        if scores.dtype == torch.float32:
+            return torch.softmax(scores, dim=-1)
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+def attend_decode_batch(batch: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """q [T, H, D] (flattened), k [B, L, Hk, D], v [B, L, Hk, Dv] -> [T, H, Dv]. Hk divides H (GQA)."""
+    b, n, heads, kv_heads, keys = batch.num_seqs, batch.n, q.shape[1], k.shape[2], batch.num_keys
+    group = heads // kv_heads
+    qp = batch.queries(q).view(b, n, kv_heads, group, q.shape[-1]).transpose(1, 2)  # [B, Hk, n, g, D]
+    qp = qp.reshape(b * kv_heads, n * group, q.shape[-1])
+    kt = k.permute(0, 2, 3, 1).reshape(b * kv_heads, k.shape[-1], keys)  # [B*Hk, D, L]
+    scores = torch.bmm(qp, kt).mul_(scale).view(b, kv_heads, n, group, keys)
+    probs = batch.softmax(scores, grouped=True).view(b * kv_heads, n * group, keys)
+    vv = v.transpose(1, 2).reshape(b * kv_heads, keys, v.shape[-1])
+    out = torch.bmm(probs, vv).view(b, kv_heads, n, group, v.shape[-1]).transpose(1, 2)  # [B, n, Hk, g, Dv]
+    return batch.outputs(out.reshape(b, n, heads, v.shape[-1]))
+
+
+def attend_decode_batch_shared(batch: DecodeBatch, q: torch.Tensor, kv: torch.Tensor, value_dim: int,
+                               scale: float) -> torch.Tensor:
+    """One key shared by every head (MLA's latent, MQA): q [T, H, D], kv [B, L, D] whose first
+    value_dim values are the value -> [T, H, value_dim]."""
+    b, n, heads = batch.num_seqs, batch.n, q.shape[1]
+    qp = batch.queries(q).reshape(b, n * heads, q.shape[-1])
+    scores = torch.bmm(qp, kv.transpose(1, 2)).mul_(scale).view(b, n, heads, batch.num_keys)
+    probs = batch.softmax(scores).view(b, n * heads, batch.num_keys)
+    out = torch.bmm(probs, kv[..., :value_dim])  # [B, n*H, Dv]
+    return batch.outputs(out.view(b, n, heads, value_dim))
 
 
 def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:

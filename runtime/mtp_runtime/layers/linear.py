@@ -96,3 +96,33 @@ class RowParallelLinear(LinearBase):
         out = self.parallel.all_reduce(F.linear(x, self.weight))
         # The bias is added once, after the sum, not on every rank's partial.
         return out if self.bias is None else out + self.bias
+
+
+def fuse_linears(*linears: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input, so a decode step runs one
+    matmul instead of several. The layers' own parameters become views into it: no second copy is
+    kept, and anything that writes them later (loading, training) writes the fused tensor too."""
+    weight = torch.cat([lin.weight.data for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.data if b is not None else lin.weight.new_zeros(lin.weight.shape[0])
+                          for b, lin in zip(biases, linears)])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[start:start + rows]
+        if lin.bias is not None:
+            lin.bias.data = bias[start:start + rows]
+        start += rows
+    return weight, bias
+
+
+def prepare_for_inference(module: nn.Module) -> nn.Module:
+    """After loading: let every submodule that can fuse its weights do so (see `fuse_linears`)."""
+    for sub in module.modules():
+        fuse = getattr(sub, "fuse_weights", None)
+        if fuse is not None:
+            fuse()
+    return module
+

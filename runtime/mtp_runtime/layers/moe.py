@@ -13,12 +13,19 @@ from torch import nn
 
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
-from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, load_full
+from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, fuse_linears, load_full
 
 
-# Up to this many (token, expert) pairs per step, copying the chosen experts' weights and using bmm
-# beats looping over experts (measured by hack/profile_step.py on the bench model).
+# Accelerators, up to this many (token, expert) pairs per step: copying the chosen experts' weights
+# and using bmm beats looping over experts (measured by hack/profile_step.py on the bench model).
 GATHERED_MAX_PAIRS = 16
+# CPU, up to this many tokens: read the routing on the host (free there) and run each chosen
+# expert on its tokens' rows, with no weight copies and no per-expert mask.
+HOST_ROUTED_MAX_TOKENS = 64
+# Inside a compiled graph (--enable_graph), up to this many token x local-expert products: run every
+# local expert on every token and zero the unchosen ones (no host sync, no weight copies, static shapes).
+DENSE_MAX_PRODUCTS = 2048
+DENSE_MAX_EXPERTS = 16  # ... and only with this few local experts (a 256-expert model reads the chosen ones)
 
 
 class DenseMLP(nn.Module):
@@ -27,9 +34,16 @@ class DenseMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel=parallel)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel=parallel)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel=parallel)
+        self.gate_up: torch.Tensor | None = None  # [2I, H] once fuse_weights() ran
+
+    def fuse_weights(self) -> None:
+        self.gate_up, _ = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TopkRouter(nn.Module):
@@ -48,14 +62,16 @@ class TopkRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k])."""
         cfg = self.config
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        scores = F.linear(x if x.dtype == torch.float32 else x.float(), weight).sigmoid()
         choice = scores + self.e_score_correction_bias
-        # Keep the topk_group groups whose two best experts score highest, then top-k inside them.
-        grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-        group_ids = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-        group_drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, False)
-        choice = grouped.masked_fill(group_drop.unsqueeze(-1), float("-inf")).flatten(1)
+        if cfg.topk_group < cfg.n_group:
+            # Keep the topk_group groups whose two best experts score highest, then top-k inside them.
+            grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            group_ids = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+            group_drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, False)
+            choice = grouped.masked_fill(group_drop.unsqueeze(-1), float("-inf")).flatten(1)
         ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
         if self.training:
             self.last_load = torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts)
@@ -83,6 +99,7 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(len(self.local), hidden, self.inter))
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
+        self.w2_stacked: torch.Tensor | None = None  # [E_local * I, H], set by fuse_weights()
 
     def is_local(self, expert_id: int) -> bool:
         return expert_id in self.local
@@ -109,6 +126,16 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights/ids [N, k] -> weighted sum of this rank's experts [N, H]."""
+        if torch.compiler.is_compiling():
+            # Up to twice as many (token, expert) pairs as local experts: copy just the chosen experts'
+            # weights (measured faster on CPU); more: read every local expert once (the dense path),
+            # if the rank has few of them.
+            if self.w2_stacked is not None and ids.numel() > 2 * len(self.local) \
+                    and x.shape[0] * len(self.local) <= DENSE_MAX_PRODUCTS:
+                return self._forward_dense(x, weights, ids)
+            return self._forward_gathered(x, weights, ids)
+        if x.device.type == "cpu" and x.shape[0] <= HOST_ROUTED_MAX_TOKENS:
+            return self._forward_host_routed(x, weights, ids)
         if ids.numel() <= GATHERED_MAX_PAIRS:
             return self._forward_gathered(x, weights, ids)
         return self._forward_per_expert(x, weights, ids)
@@ -125,6 +152,57 @@ class RoutedExperts(nn.Module):
         y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(*ids.shape, -1)  # [N, k, H]
         scale = torch.where(is_local, weights, torch.zeros_like(weights)).to(y.dtype)
         return (y * scale.unsqueeze(-1)).sum(dim=1)
+
+    def fuse_weights(self) -> None:
+        """Graph mode's dense path reads the down projections of all local experts as one [E*I, H]
+        matrix; kept only where that path can run (few experts per rank)."""
+        if len(self.local) <= DENSE_MAX_EXPERTS:
+            self.w2_stacked = self.w2.detach().transpose(1, 2).reshape(-1, self.w2.shape[1]).contiguous()
+
+    def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every token, combined with the routing weights (zero if unchosen):
+        two matmuls in all, since sum_e c_e W2_e a_e = [W2_1 .. W2_E] [c_1 a_1; ..; c_E a_E]."""
+        num_local = len(self.local)
+        local_ids = ids - self.local.start
+        is_local = (local_ids >= 0) & (local_ids < num_local)
+        combine = torch.zeros(x.shape[0], num_local, dtype=x.dtype, device=x.device)
+        combine.scatter_add_(1, local_ids.clamp(0, num_local - 1),
+                             torch.where(is_local, weights, torch.zeros_like(weights)).to(x.dtype))
+        gate_up = F.linear(x, self.w13.view(-1, self.w13.shape[-1])).view(x.shape[0], num_local, -1)
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, E, I] each
+        act = F.silu(gate) * up * combine.unsqueeze(-1)
+        return torch.mm(act.reshape(x.shape[0], -1), self.w2_stacked)
+
+    def _expert(self, h: torch.Tensor, local: int) -> torch.Tensor:
+        gate, up = F.linear(h, self.w13[local]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2[local])
+
+    def _forward_host_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """CPU, few tokens: the routing as a Python list, then each chosen local expert on its rows."""
+        routes = ids.tolist()
+        first, count = self.local.start, len(self.local)
+        weights = weights.to(x.dtype)
+        if len(routes) == 1:  # one token (a decode step): no row gathers at all
+            out = None
+            for j, expert_id in enumerate(routes[0]):
+                if 0 <= expert_id - first < count:
+                    y = self._expert(x, expert_id - first) * weights[:, j:j + 1]
+                    out = y if out is None else out + y
+            return out if out is not None else torch.zeros_like(x)
+        pairs: dict[int, list[int]] = {}  # local expert -> flat (token * k + slot) indices
+        k = len(routes[0])
+        for t, row in enumerate(routes):
+            for j, expert_id in enumerate(row):
+                if 0 <= expert_id - first < count:
+                    pairs.setdefault(expert_id - first, []).append(t * k + j)
+        out = torch.zeros_like(x)
+        flat_weights = weights.reshape(-1)
+        for local, flat in pairs.items():
+            flat_idx = torch.tensor(flat, dtype=torch.long)
+            rows = torch.div(flat_idx, k, rounding_mode="floor")
+            y = self._expert(x.index_select(0, rows), local) * flat_weights.index_select(0, flat_idx)[:, None]
+            out.index_add_(0, rows, y)
+        return out
 
     def _forward_per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Many tokens (prefill, training): one matmul pair per expert over the tokens routed to it."""

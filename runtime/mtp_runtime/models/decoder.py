@@ -19,6 +19,7 @@ from mtp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mtp_runtime.layers.moe import MoE, DenseMLP
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.layers.rotary_embedding import RotaryEmbedding
+from mtp_runtime.models.graph import GraphMode
 
 AttentionFactory = Callable[[ModelConfig, ParallelState | None], nn.Module]
 
@@ -56,7 +57,7 @@ class TransformerBody(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
+class CausalLM(GraphMode, nn.Module):
     """Main model: ids -> final-normed hidden states; `compute_logits` applies lm_head."""
 
     make_attention: AttentionFactory  # set by each architecture
@@ -73,7 +74,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids/positions [T] -> final-normed hidden [T, H]."""
+        """input_ids/positions [T] -> final-normed hidden [T, H] (compiled in graph mode)."""
+        return GraphMode.forward(self, input_ids, positions, caches, meta)
+
+    def _forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         if len(caches) != len(self.model.layers):
             raise ValueError(f"got caches for {len(caches)} layers, the model has {len(self.model.layers)}")
         cos, sin = self.rotary(positions)

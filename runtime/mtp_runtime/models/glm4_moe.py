@@ -9,8 +9,9 @@ from torch import nn
 
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
-from mtp_runtime.layers.attention import AttentionMetadata, attend, causal_mask, gather_cache, write_cache
-from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mtp_runtime.layers.attention import (AttentionMetadata, attend, attend_decode_batch, causal_mask, gather_cache,
+                                         write_cache)
+from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.layers.rotary_embedding import apply_rope_halves
 from mtp_runtime.models.decoder import CausalLM
@@ -35,14 +36,25 @@ class GQAttention(nn.Module):
         if self.use_qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qkv: torch.Tensor | None = None  # q, k and v projections as one weight
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_weights(self) -> None:
+        self.qkv, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def kv_cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.qkv is not None:
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
+                [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v
@@ -52,6 +64,10 @@ class GQAttention(nn.Module):
         q, k, v = self._project(x, cos, sin)
         write_cache(cache["k"], k, meta.slot_mapping)
         write_cache(cache["v"], v, meta.slot_mapping)
+        batch = meta.decode_batch()
+        if batch is not None:  # decode / verify: every sequence in one padded batch
+            out = attend_decode_batch(batch, q, batch.keys(cache["k"]), batch.keys(cache["v"]), self.scale)
+            return self.o_proj(out.flatten(-2))
         out = torch.empty_like(q)
         for rows, positions, slots in meta.sequences():
             keys, values = gather_cache(cache["k"], slots), gather_cache(cache["v"], slots)

@@ -24,7 +24,7 @@ from mtp_runtime.checkpoint.safetensors_io import DTYPES, READ_STATS, TensorInfo
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState
 from mtp_runtime.layers.embedding import VocabParallelEmbedding
-from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, prepare_for_inference
 from mtp_runtime.layers.moe import RoutedExperts
 from mtp_runtime.models.decoder import CausalLM
 from mtp_runtime.models.mtp import MtpDraft
@@ -213,7 +213,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, 
         model.lm_head.weight.data.copy_(model.model.embed_tokens.weight.data)
         filled.add(("lm_head.weight", None, None))
     _raise_missing(index, _missing(model, filled))
-    return to_working_dtype(model, _dtype(dtype)).to(device).eval()
+    return prepare_for_inference(to_working_dtype(model, _dtype(dtype)).to(device).eval())
 
 
 def load_draft(model_dir: str | Path, main: CausalLM | None = None, dtype: torch.dtype | str = torch.float32,
@@ -242,7 +242,7 @@ def load_draft(model_dir: str | Path, main: CausalLM | None = None, dtype: torch
     prefix = "model.layers.0." if config.is_mtp else f"model.layers.{config.mtp_layer_index}."
     _raise_missing(index, [prefix + (m[len("layer."):] if m.startswith("layer.") else m)
                            for m in _missing(draft, filled, tuple(skip))])
-    draft = to_working_dtype(draft, _dtype(dtype)).to(device).eval()
+    draft = prepare_for_inference(to_working_dtype(draft, _dtype(dtype)).to(device).eval())
     if "shared_head.head." in skip:
         draft.use_main_head(main.lm_head)
     if "embed_tokens." in skip:

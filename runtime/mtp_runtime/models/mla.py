@@ -15,8 +15,9 @@ from torch import nn
 
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
-from mtp_runtime.layers.attention import AttentionMetadata, attend, causal_mask, gather_cache, write_cache
-from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from mtp_runtime.layers.attention import (AttentionMetadata, attend, attend_decode_batch_shared, causal_mask,
+                                         gather_cache, write_cache)
+from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.layers.rotary_embedding import apply_rope_halves, apply_rope_interleaved
 from mtp_runtime.models.sparse_indexer import SparseIndexer
@@ -44,6 +45,12 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=config.attention_bias, parallel=parallel)
         self.indexer = SparseIndexer(config) if config.arch == "deepseek_v32" else None
         self.rotate = apply_rope_interleaved if config.rope_interleave else apply_rope_halves
+        self.qkv_a: torch.Tensor | None = None  # q_a_proj and kv_a_proj_with_mqa as one weight
+        self.qkv_a_bias: torch.Tensor | None = None
+
+    def fuse_weights(self) -> None:
+        if self.config.q_lora_rank is not None:
+            self.qkv_a, self.qkv_a_bias = fuse_linears(self.q_a_proj, self.kv_a_proj_with_mqa)
 
     def kv_cache_spec(self) -> dict[str, tuple[int, ...]]:
         spec = {"latent": (self.kv_rank + self.rope,)}
@@ -53,13 +60,19 @@ class MLAttention(nn.Module):
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., H] -> q_nope [..., h, nope], q_rot [..., h, rope], latent [..., r + rope], q latent."""
-        if self.config.q_lora_rank is None:
+        if self.qkv_a is not None:  # one matmul for both down-projections
+            q_latent, kv = F.linear(x, self.qkv_a, self.qkv_a_bias).split(
+                [self.config.q_lora_rank, self.kv_rank + self.rope], dim=-1)
+            q_latent = self.q_a_layernorm(q_latent)
+            q = self.q_b_proj(q_latent)
+        elif self.config.q_lora_rank is None:
             q_latent, q = None, self.q_proj(x)
+            kv = self.kv_a_proj_with_mqa(x)
         else:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_latent)
+            kv = self.kv_a_proj_with_mqa(x)
         q_nope, q_rot = q.unflatten(-1, (self.num_heads, -1)).split([self.nope, self.rope], dim=-1)
-        kv = self.kv_a_proj_with_mqa(x)
         c, k_rot = kv.split([self.kv_rank, self.rope], dim=-1)
         # Rotate the query heads and the shared key as one tensor: half the small ops of two calls.
         rotated = self.rotate(torch.cat([q_rot, k_rot.unsqueeze(-2)], dim=-2), cos, sin)
@@ -77,24 +90,39 @@ class MLAttention(nn.Module):
         """x [T, H] (flattened batch) -> [T, H]; writes this step's latents into the paged cache."""
         q_nope, q_rot, latent, q_latent = self._project(x, cos, sin)
         write_cache(cache["latent"], latent, meta.slot_mapping)
+        index_q = index_w = None
         if self.indexer is not None:
-            iq, ik, iw = self.indexer.queries_and_keys(x, q_latent, cos, sin)
-            write_cache(cache["index_k"], ik, meta.slot_mapping)
+            index_q, index_k, index_w = self.indexer.queries_and_keys(x, q_latent, cos, sin)
+            write_cache(cache["index_k"], index_k, meta.slot_mapping)
         w_uk, w_uv = self._kv_b()
         # Fold the key up-projection into the query: q . (W_uk c) = (W_uk^T q) . c
         # (bmm over heads directly: einsum's own dispatch costs more than the product at decode sizes)
         q = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_rot], dim=-1)  # [T, h, r + rope]
-        out = x.new_empty(x.shape[0], self.num_heads, self.kv_rank)
+        # Decode / verify steps attend as one padded batch; prefill chunks (and V3.2's per-sequence
+        # top-k key selection) one sequence at a time.
+        batch = meta.decode_batch() if self.indexer is None else None
+        if batch is not None:
+            out = attend_decode_batch_shared(batch, q, batch.keys(cache["latent"]), self.kv_rank, self.scale)
+        else:
+            out = self._attend_per_sequence(q, cache, meta, index_q, index_w)
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # value up-projection, [T, h, v]
+        # contiguous() then view, not flatten(): flatten is a view only when T == 1, which a compiled
+        # graph would otherwise specialise on.
+        return self.o_proj(out.contiguous().view(-1, self.num_heads * self.v_dim))
+
+    def _attend_per_sequence(self, q: torch.Tensor, cache: dict[str, torch.Tensor], meta: AttentionMetadata,
+                             index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], self.num_heads, self.kv_rank)
         for rows, positions, slots in meta.sequences():
             keys = gather_cache(cache["latent"], slots).unsqueeze(1)  # [L, 1, r + rope]
             # A single new token (decode) sees its whole context: no mask to build or apply.
             allowed = None if self.indexer is None and positions.shape[0] == 1 else \
                 causal_mask(positions, keys.shape[0])
             if self.indexer is not None:
-                allowed = self.indexer.select(iq[rows], gather_cache(cache["index_k"], slots), iw[rows], allowed)
+                allowed = self.indexer.select(index_q[rows], gather_cache(cache["index_k"], slots), index_w[rows],
+                                              allowed)
             out[rows] = attend(q[rows], keys, keys[..., : self.kv_rank], allowed, self.scale)
-        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # value up-projection, [T, h, v]
-        return self.o_proj(out.flatten(-2))
+        return out
 
     def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training path: x [B, S, H] at positions 0..S-1, no cache -> [B, S, H]."""

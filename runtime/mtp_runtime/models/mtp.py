@@ -19,6 +19,7 @@ from mtp_runtime.layers.linear import ReplicatedLinear
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.layers.rotary_embedding import RotaryEmbedding
 from mtp_runtime.models.decoder import AttentionFactory, DecoderLayer
+from mtp_runtime.models.graph import GraphMode
 
 
 class SharedHead(nn.Module):
@@ -28,7 +29,7 @@ class SharedHead(nn.Module):
         self.head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
 
 
-class MtpDraft(nn.Module):
+class MtpDraft(GraphMode, nn.Module):
     def __init__(self, config: ModelConfig, make_attention: AttentionFactory,
                  parallel: ParallelState | None = None, moe: bool | None = None):
         super().__init__()
@@ -59,7 +60,12 @@ class MtpDraft(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T] (the token after positions[t]), hidden [T, H] -> shared_head.norm output [T, H]."""
+        """input_ids [T] (the token after positions[t]), hidden [T, H] -> shared_head.norm output [T, H]
+        (compiled in graph mode)."""
+        return GraphMode.forward(self, input_ids, hidden, positions, caches, meta)
+
+    def _forward_eager(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                       caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         if len(caches) != 1:
             raise ValueError(f"the MTP draft has one layer and takes one cache, got {len(caches)}")
         cos, sin = self.rotary(positions)

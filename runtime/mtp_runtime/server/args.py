@@ -59,6 +59,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for name, default, what in (
         ("enable_prefix_cache", True, "reuse KV blocks of shared prompt prefixes"),
         ("enable_chunked_prefill", True, "split long prompts over several steps"),
+        ("enable_graph", False, "run decode steps as compiled graphs (torch.compile; start-up compiles them)"),
     ):
         add(f"--{name}", type=parse_bool, nargs="?", const=True, default=default,
             metavar="true|false", help=f"{what} (default {str(default).lower()})")
@@ -99,6 +100,7 @@ class ServeArgs:
     max_model_len: int | None
     shutdown_timeout: float
     env: dict[str, str] = field(default_factory=dict, repr=False)
+    enable_graph: bool = False
 
 
 def parse_devices(flag: str, text: str) -> list[str]:
@@ -181,6 +183,9 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
     if ns.nnodes > 1:
         if ns.master_node_addr is None:
             raise ServeArgsError("--master_node_addr: required when --nnodes > 1")
+        if ns.enable_graph:
+            raise ServeArgsError("--enable_graph: not supported with --nnodes > 1 in this build (the worker "
+                                 "ranks run eager); use --enable_graph=false")
         if ns.ep_size not in (1, ns.nnodes):
             raise ServeArgsError(f"--ep_size: {ns.ep_size} must be 1 (experts split by size over all ranks) "
                                  f"or --nnodes {ns.nnodes} (one slice of the experts per rank)")
@@ -218,5 +223,5 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
         enable_prefix_cache=ns.enable_prefix_cache, enable_chunked_prefill=ns.enable_chunked_prefill,
         served_model_name=served, dtype=ns.dtype, api_key=api_key,
         max_waiting_requests=ns.max_waiting_requests, max_model_len=ns.max_model_len,
-        shutdown_timeout=ns.shutdown_timeout, env=env,
+        shutdown_timeout=ns.shutdown_timeout, env=env, enable_graph=ns.enable_graph,
     )

@@ -87,6 +87,7 @@ def engine_factory(args: ServeArgs, max_model_len: int):
             max_tokens_per_batch=args.max_tokens_per_batch, max_seqs_per_batch=args.max_seqs_per_batch,
             block_size=args.block_size, enable_prefix_cache=args.enable_prefix_cache,
             enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_model_len,
+            enable_graph=args.enable_graph,
         ))
     return build
 

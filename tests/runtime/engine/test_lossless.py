@@ -79,3 +79,24 @@ def test_greedy_output_is_identical_to_plain_decoding(kit, tiny_models, arch, k,
         assert 0 < stats.accepted_tokens < stats.draft_tokens
         assert stats.accepted_per_position[k - 1] > 0, "no step accepted all k drafts (bonus token path)"
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_graph_mode_output_is_identical_to_plain_decoding(kit, tiny_models, arch):
+    """--enable_graph: decode, verify and draft steps run compiled; the output does not change."""
+    spec = SCENARIOS["mixed-chunked-prefix"]
+    expected = reference(kit, tiny_models, arch, "mixed-chunked-prefix")
+    engine = kit.make_engine(tiny_models[arch], 2, enable_graph=True, **spec["options"])
+    assert engine.runner.main.graph_enabled and engine.runner.draft.graph_enabled
+    assert engine.runner.graph_warm_up_s > 0
+    kit.OracleDrafts(engine, expected, hit_rate=0.7, seed=2)
+    assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+
+
+def test_graph_mode_is_refused_for_v32(kit, tiny_models):
+    with pytest.raises(ValueError, match="enable_graph: not supported for deepseek_v32"):
+        kit.make_engine(tiny_models["deepseek_v32"], 1, enable_graph=True)

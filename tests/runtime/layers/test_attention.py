@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mtp_runtime.layers.attention import AttentionMetadata, attend, causal_mask, gather_cache, write_cache
+from mtp_runtime.layers.attention import (DECODE_MAX_NEW, AttentionMetadata, attend, attend_decode_batch,
+                                         attend_decode_batch_shared, causal_mask, gather_cache, write_cache)
 
 
 def test_write_then_gather_follows_block_tables():
@@ -36,3 +37,47 @@ def test_attend_is_causal_and_supports_gqa():
     # query at position 2 (row 0), head 3 uses kv head 1 and keys 0..2 only
     w = torch.softmax((q[0, 3] @ k[:3, 1].T) * 0.5, -1)
     assert torch.allclose(out[0, 3], w @ v[:3, 1], atol=1e-6)
+
+
+def _mixed_batch():
+    """Three sequences: 1, 3 and 2 new tokens over contexts of 5, 9 and 4 tokens, blocks of 4."""
+    tables = [[3, 0], [1, 4, 6], [2]]
+    news, ctxs = [1, 3, 2], [5, 9, 4]
+    qsl = [0, 1, 4, 6]
+    slots = [tables[i][p // 4] * 4 + p % 4 for i in range(3) for p in range(ctxs[i] - news[i], ctxs[i])]
+    return AttentionMetadata(qsl, ctxs, tables, torch.tensor(slots), 4)
+
+
+def _per_sequence(meta, q, keys_cache, values_cache):
+    out = []
+    for rows, positions, slots in meta.sequences():
+        k, v = gather_cache(keys_cache, slots), gather_cache(values_cache, slots)
+        out.append(attend(q[rows], k, v, causal_mask(positions, k.shape[0]), 0.3))
+    return torch.cat(out)
+
+
+def test_decode_batch_matches_per_sequence_attention_gqa():
+    meta = _mixed_batch()
+    batch = meta.decode_batch()
+    assert batch.num_seqs == 3 and batch.n == 3 and batch.num_keys == 9
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(7, 4, 2, 8, generator=gen), torch.randn(7, 4, 2, 6, generator=gen)
+    q = torch.randn(6, 4, 8, generator=gen)  # 4 query heads over 2 kv heads
+    got = attend_decode_batch(batch, q, batch.keys(k_cache), batch.keys(v_cache), 0.3)
+    assert torch.allclose(got, _per_sequence(meta, q, k_cache, v_cache), atol=1e-6)
+
+
+def test_decode_batch_matches_per_sequence_attention_shared_latent():
+    meta = _mixed_batch()
+    batch = meta.decode_batch()
+    gen = torch.Generator().manual_seed(1)
+    latent = torch.randn(7, 4, 10, generator=gen)  # value: the first 6 values of the shared key
+    q = torch.randn(6, 4, 10, generator=gen)
+    got = attend_decode_batch_shared(batch, q, batch.keys(latent), 6, 0.3)
+    expected = _per_sequence(meta, q, latent.unsqueeze(2), latent[..., :6].unsqueeze(2))
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_decode_batch_is_only_for_short_steps():
+    assert AttentionMetadata.for_sequence(0, DECODE_MAX_NEW + 1, 4).decode_batch() is None  # a prefill chunk
+    assert AttentionMetadata.for_sequence(10, DECODE_MAX_NEW, 4).decode_batch() is not None

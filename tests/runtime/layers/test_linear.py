@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState
 from mtp_runtime.layers.embedding import VocabParallelEmbedding
-from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.moe import MoE, RoutedExperts
 
 
@@ -100,3 +100,19 @@ def test_expert_loader_rejects_unknown_expert():
     experts = RoutedExperts(moe_config(), ranks()[0])
     with pytest.raises(ValueError, match="expert 9 does not exist"):
         experts.weight_loader(experts.w2, torch.zeros(8, 6), "mlp.experts.9.down_proj.weight", 9, "down")
+
+
+def test_fused_linears_compute_the_separate_projections_and_share_storage():
+    gen = torch.Generator().manual_seed(3)
+    a, b = ReplicatedLinear(8, 5, bias=True), ReplicatedLinear(8, 3)
+    with torch.no_grad():
+        for p in (a.weight, a.bias, b.weight):
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(4, 8, generator=gen)
+    expected = torch.cat([a(x), b(x)], dim=-1)
+    weight, bias = fuse_linears(a, b)
+    assert torch.allclose(F.linear(x, weight, bias), expected, atol=1e-6)
+    assert bias[5:].abs().sum() == 0  # b has no bias: zeros in its rows
+    with torch.no_grad():
+        b.weight.add_(1.0)  # the layers' parameters are views: writing them writes the fused weight
+    assert torch.equal(weight[5:], b.weight) and a.weight.data_ptr() == weight.data_ptr()

@@ -1,4 +1,5 @@
-"""Routed experts: the gathered small-batch path computes what the per-expert loop computes."""
+"""Routed experts: the gathered small-batch path (accelerators) and the host-routed path (CPU)
+compute what the per-expert loop computes."""
 
 import pytest
 import torch
@@ -34,6 +35,36 @@ def test_gathered_path_matches_per_expert_loop(num_tokens):
     assert gathered.abs().max() > 0
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2, 5])
+def test_host_routed_path_matches_per_expert_loop(num_tokens):
+    experts, x, weights, ids = experts_and_routing(num_tokens)
+    host = experts._forward_host_routed(x, weights, ids)
+    assert torch.allclose(host, experts._forward_per_expert(x, weights, ids), atol=1e-6)
+    assert host.abs().max() > 0
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_host_routed_path_skips_other_ranks_experts(num_tokens):
+    experts, x, weights, ids = experts_and_routing(num_tokens, ParallelState(ep_rank=1, ep_size=2), seed=1)
+    assert torch.allclose(experts._forward_host_routed(x, weights, ids),
+                          experts._forward_per_expert(x, weights, ids), atol=1e-6)
+
+
+def test_host_routed_token_with_no_local_expert_gets_zeros():
+    experts, x, weights, ids = experts_and_routing(1, ParallelState(ep_rank=1, ep_size=2), seed=1)
+    ids = torch.tensor([[0, 1, 2]])  # all on rank 0
+    assert torch.equal(experts._forward_host_routed(x, weights, ids), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("num_tokens,ep_rank", [(1, None), (5, None), (4, 1)])
+def test_dense_path_matches_per_expert_loop(num_tokens, ep_rank):
+    parallel = None if ep_rank is None else ParallelState(ep_rank=ep_rank, ep_size=2)
+    experts, x, weights, ids = experts_and_routing(num_tokens, parallel, seed=2)
+    experts.fuse_weights()
+    assert torch.allclose(experts._forward_dense(x, weights, ids),
+                          experts._forward_per_expert(x, weights, ids), atol=1e-5)
+
+
 def test_gathered_path_skips_other_ranks_experts():
     # Rank 1 of 2 holds experts 4..7; tokens routed to 0..3 get nothing from it.
     experts, x, weights, ids = experts_and_routing(4, ParallelState(ep_rank=1, ep_size=2), seed=1)
@@ -42,12 +73,15 @@ def test_gathered_path_skips_other_ranks_experts():
                           experts._forward_per_expert(x, weights, ids), atol=1e-6)
 
 
-def test_forward_picks_the_path_by_pair_count(monkeypatch):
+def test_forward_picks_the_path_by_device_and_size(monkeypatch):
     experts, x, weights, ids = experts_and_routing(2)
     calls = []
     monkeypatch.setattr(RoutedExperts, "_forward_per_expert", lambda self, *a: calls.append("loop"))
     monkeypatch.setattr(RoutedExperts, "_forward_gathered", lambda self, *a: calls.append("gathered"))
-    experts(x, weights, ids)
+    monkeypatch.setattr(RoutedExperts, "_forward_host_routed", lambda self, *a: calls.append("host"))
+    experts(x, weights, ids)  # CPU, few tokens
+    monkeypatch.setattr(moe, "HOST_ROUTED_MAX_TOKENS", x.shape[0] - 1)
+    experts(x, weights, ids)  # as on an accelerator: few pairs
     monkeypatch.setattr(moe, "GATHERED_MAX_PAIRS", ids.numel() - 1)
     experts(x, weights, ids)
-    assert calls == ["gathered", "loop"]
+    assert calls == ["host", "gathered", "loop"]

@@ -120,3 +120,12 @@ def test_node_rank_auto_single_node(model_dir):
     assert parse(["--model", m, "--node_rank", "auto"], env={"MTP_POD_INDEX": "0"}).node_rank == 0
     assert parse(["--model", m, "--node_rank", "auto"], hostname="mtp-ds-0.mtp-ds").node_rank == 0
     reject(["--model", m, "--node_rank", "auto"], "--node_rank", hostname="nohyphen")
+
+
+def test_enable_graph_flag(model_dir):
+    m = str(model_dir / "main")
+    assert parse(["--model", m]).enable_graph is False
+    assert parse(["--model", m, "--enable_graph=true"]).enable_graph is True
+    assert parse(["--model", m, "--enable_graph"]).enable_graph is True
+    reject(["--model", m, "--enable_graph", "--nnodes", "2", "--master_node_addr", "mtp-0.mtp:23456",
+            "--node_rank", "0"], "--enable_graph")

@@ -1,0 +1,88 @@
+"""Graph mode (`--enable_graph`): decode and verify forwards run as a compiled graph.
+
+A decode step of a small MoE model is a few hundred tiny ops per layer; run
+one by one from Python, launching them costs more than computing them.
+`torch.compile` (inductor) turns the step into a few fused kernels. Only
+steps whose attention is one padded batch (every sequence brings at most
+DECODE_MAX_NEW tokens: decode, verify, MTP drafting) take the graph; prefill
+chunks stay eager, since their per-sequence attention would unroll into a new
+graph for every batch shape. Shapes are dynamic, so batch size, tokens per
+sequence and context length do not each compile a graph of their own.
+
+The first steps of each kind pay the compile time; `warm_up` runs them at
+start-up so a server is ready only once its graphs exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from mtp_runtime.layers.attention import AttentionMetadata
+
+log = logging.getLogger("mtp_runtime.engine")
+
+# Distinct graphs a model may compile (batch and token-count shapes that specialise, guard changes)
+# before further variants run eagerly.
+RECOMPILE_LIMIT = 64
+
+
+class GraphError(RuntimeError):
+    """Graph mode cannot run here (no C++ compiler for inductor, unsupported model)."""
+
+
+class GraphMode:
+    """Mixin for a model whose `forward(..., caches, meta)` is `_forward_eager`."""
+
+    _graph_forward: Callable[..., torch.Tensor] | None = None
+
+    def enable_graph(self) -> None:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        # One graph for every batch size, sizes of 1 included (otherwise 1 compiles a graph of its own).
+        torch.fx.experimental._config.backed_size_oblivious = True
+        torch.fx.experimental._config.use_duck_shape = False  # equal sizes in one step need not stay equal
+        self._graph_forward = torch.compile(self._forward_eager, dynamic=True)
+
+    @property
+    def graph_enabled(self) -> bool:
+        return self._graph_forward is not None
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        meta: AttentionMetadata = args[-1]
+        if self._graph_forward is not None and meta.decode_batch() is not None:
+            return self._graph_forward(*args)
+        return self._forward_eager(*args)
+
+    def _forward_eager(self, *args: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def warm_up_shapes(k: int) -> list[tuple[list[int], list[int]]]:
+    """(new tokens per sequence, context length per sequence) of the step kinds an engine with k
+    drafts runs: decode at equal and unequal lengths, verify, and a mix of both (a sequence just out
+    of prefill verifies nothing yet), a batch large enough for the MoE's many-pairs path (a graph of
+    its own); the draft's first pass has 1..k+1 tokens per sequence."""
+    shapes = [([1], [9]), ([1, 1], [9, 9]), ([1, 1, 1], [9, 10, 11]),
+              ([1] * 9, list(range(9, 18)))]  # enough tokens for the MoE's many-pairs path
+    if k:
+        shapes += [([k + 1], [9 + k]), ([k + 1, k + 1], [9 + k, 10 + k]), ([1, k + 1, 2], [9, 10 + k, 12]),
+                   ([2], [10])]
+    return shapes
+
+
+def warm_up(module: torch.nn.Module, call: Callable[[list[int], list[int]], None], k: int) -> float:
+    """Run `call(news, context_lens)` on every warm-up shape; returns the seconds it took. Turns a
+    compiler failure into a GraphError that says what to do."""
+    import time
+
+    start = time.perf_counter()
+    try:
+        for news, context_lens in warm_up_shapes(k):
+            call(news, context_lens)
+    except Exception as exc:
+        raise GraphError(f"enable_graph: compiling the {type(module).__name__} forward failed ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else exc!r}); graph mode needs a C++ compiler "
+                         f"for torch.compile on CPU; run without --enable_graph") from exc
+    return time.perf_counter() - start
