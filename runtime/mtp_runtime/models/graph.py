@@ -34,7 +34,8 @@ class GraphError(RuntimeError):
 
 
 class GraphMode:
-    """Mixin for a model whose `forward(..., caches, meta)` is `_forward_eager`."""
+    """Mixin for a model class that defines `_forward_eager(..., caches, meta)` (CausalLM, MtpDraft)
+    and routes its `forward` through `GraphMode.forward`."""
 
     _graph_forward: Callable[..., torch.Tensor] | None = None
 
@@ -54,9 +55,6 @@ class GraphMode:
         if self._graph_forward is not None and meta.decode_batch() is not None:
             return self._graph_forward(*args)
         return self._forward_eager(*args)
-
-    def _forward_eager(self, *args: Any) -> torch.Tensor:
-        raise NotImplementedError
 
 
 def warm_up_shapes(k: int) -> list[tuple[list[int], list[int]]]:
