@@ -178,7 +178,7 @@ class Rank0(http.server.BaseHTTPRequestHandler):
             calls.write(json.dumps(["rank0", self.path, request]) + "\n")
         self.reply({"choices": [{"text": "self):"}], "usage": {"completion_tokens": 2}})
     def log_message(self, *args):
-        pass
+        """No access log in the test output."""
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Rank0).serve_forever()
 '''
 

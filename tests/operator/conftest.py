@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+import http.server
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -48,3 +51,22 @@ def make_cr(make_spec: Callable[..., dict[str, Any]]) -> Callable[..., dict[str,
         }
 
     return build
+
+
+@contextmanager
+def _serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[int]:
+    handler.log_message = lambda self, *args: None  # keep the test output quiet
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_http():
+    """serve_http(HandlerClass) -> a context manager yielding the port of a loopback HTTP server
+    that answers with the handler (a stand-in API server, rank 0, ...), stopped on exit."""
+    return _serving
+

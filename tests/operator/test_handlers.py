@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import http.server
-import threading
 
 import pytest
 
@@ -21,16 +20,12 @@ class Metrics(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
-def port():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
+def port(serve_http):
+    with serve_http(Metrics) as port:
+        yield port
 
 
 def test_registry_has_the_handlers_and_indices():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.server
 import json
 import re
-import threading
 from pathlib import Path
 
 import pytest
@@ -40,18 +39,13 @@ class Recorder(http.server.BaseHTTPRequestHandler):
 
     do_POST = do_PATCH = do_DELETE = _answer
 
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
-def api():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+def api(serve_http):
     Recorder.seen = []
-    config = client.Configuration(host=f"http://127.0.0.1:{server.server_address[1]}")
-    yield KubeApi(client.ApiClient(config))
-    server.shutdown()
+    with serve_http(Recorder) as port:
+        yield KubeApi(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}")))
 
 
 def test_selector():

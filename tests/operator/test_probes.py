@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.server
 import socket
-import threading
 
 import pytest
 
@@ -19,16 +18,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture(scope="module")
-def port():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
+def port(serve_http):
+    with serve_http(Handler) as port:
+        yield port
 
 
 def test_health_results(port):

@@ -94,11 +94,9 @@ class ModelRunner:
             qsl = [0]
             for n in news:
                 qsl.append(qsl[-1] + n)
-            blocks = -(-max(context_lens) // self.block_size)
-            tables = [[b % self.num_blocks for b in range(blocks)] for _ in news]
-            slots = [p % self.block_size + (p // self.block_size % self.num_blocks) * self.block_size
-                     for n, ctx in zip(news, context_lens) for p in range(ctx - n, ctx)]
-            return AttentionMetadata(qsl, context_lens, tables, self._tensor(slots), self.block_size)
+            table = [b % self.num_blocks for b in range(-(-max(context_lens) // self.block_size))]
+            slots = [slot for n, ctx in zip(news, context_lens) for slot in self._slots(table, ctx - n, ctx)]
+            return AttentionMetadata(qsl, context_lens, [table] * len(news), self._tensor(slots), self.block_size)
 
         def positions(news, context_lens) -> torch.Tensor:
             return self._tensor([p for n, ctx in zip(news, context_lens) for p in range(ctx - n, ctx)])

@@ -134,13 +134,12 @@ class DecodeBatch:
             return None
         device = meta.slot_mapping.device
         n, keys = max(news), max(ctx_lens)
-        bs = meta.block_size
-        slots: list[int] = []
+        slots: list[torch.Tensor] = []
         rows: list[int] = []
         index: list[int] = []
-        for i, (table, ctx, new) in enumerate(zip(meta.block_tables, ctx_lens, news)):
-            seq_slots = [table[p // bs] * bs + p % bs for p in range(ctx)]
-            slots += seq_slots + [seq_slots[0]] * (keys - ctx)
+        for i, (ctx, new) in enumerate(zip(ctx_lens, news)):
+            seq_slots = meta.context_slots(i, device)
+            slots += [seq_slots, seq_slots[:1].expand(keys - ctx)]
             rows += list(range(qsl[i], qsl[i + 1])) + [qsl[i]] * (n - new)
             index += range(i * n, i * n + new)
         key_pos = torch.arange(keys, device=device)
@@ -150,7 +149,7 @@ class DecodeBatch:
         q_pos = torch.minimum((ctx - new)[:, None] + torch.arange(n, device=device)[None, :], (ctx - 1)[:, None])
         blocked = (key_pos[None, None, :] > q_pos[:, :, None]).unsqueeze(2)  # [B, n, 1, L]
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(as_tensor(rows), as_tensor(index), as_tensor(slots), blocked)
+        return cls(as_tensor(rows), as_tensor(index), torch.cat(slots), blocked)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """Flattened [T, *shape] -> padded [B, n, *shape]."""

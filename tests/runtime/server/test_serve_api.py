@@ -292,8 +292,7 @@ def test_sigterm_during_stream_ends_it_and_exits_0(base_server, base_client):
             "stream": True}
     with base_client.stream("POST", "/v1/completions", json=body) as resp:
         lines = resp.iter_lines()
-        while not next(lines).startswith("data: "):
-            pass
+        next(line for line in lines if line.startswith("data: "))  # the stream has started
         base_server.process.terminate()  # SIGTERM, as the kubelet sends it
         started = time.monotonic()
         events = [json.loads(l[6:]) if l != "data: [DONE]" else "[DONE]" for l in lines if l.startswith("data: ")]
