@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from mtp_runtime.engine.config import EngineConfig
+from mtp_runtime.engine.graph_step import GreedyDecodeStep, warm_up_batch_sizes
 from mtp_runtime.engine.sampler import RowParams, probabilities, sample_from, speculative_verify, uniform_rows
 from mtp_runtime.engine.scheduler import ScheduledBatch
 from mtp_runtime.engine.sequence import Sequence
@@ -85,6 +86,9 @@ class ModelRunner:
         self.main_caches = allocate_caches(main_spec, self.num_blocks, self.block_size, self.dtype, self.device)
         self.draft_caches = allocate_caches(draft_spec, self.num_blocks, self.block_size, self.dtype, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # Graph mode: all-greedy decode steps run verify, acceptance and drafting as one compiled call.
+        self.decode_step = GreedyDecodeStep(self.main, self.draft, self.k, self.block_size) \
+            if config.enable_graph else None
         self.graph_warm_up_s = self._warm_up_graphs() if config.enable_graph else 0.0
 
     def _warm_up_graphs(self) -> float:
@@ -116,6 +120,8 @@ class ModelRunner:
             seconds = warm_up(self.main, run_main, self.k)
             if self.draft is not None:
                 seconds += warm_up(self.draft, run_draft, self.k)
+            seconds += self.decode_step.warm_up(warm_up_batch_sizes(self.config.max_seqs_per_batch),
+                                                self.num_blocks, self.main_caches, self.draft_caches, self.device)
         log.info("graph mode: decode graphs compiled in %.1fs", seconds)
         return seconds
 
@@ -141,6 +147,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
         """Run one step; returns per sequence the tokens to append and the drafts accepted,
         and leaves each sampled sequence's next drafts in seq.draft_token_ids."""
+        if self.decode_step is not None and self._is_greedy_decode(batch):
+            return self._execute_decode_step(batch)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -164,6 +172,27 @@ class ModelRunner:
         if self.draft is not None:
             self._propose(batch, hidden, qsl, slots, new_tokens, accepted)
         return new_tokens, accepted
+
+    def _is_greedy_decode(self, batch: ScheduledBatch) -> bool:
+        """Every sequence decodes (its one uncached token plus k drafts) and samples greedily."""
+        k = self.k
+        return all(chunk == 1 and nd == k and samples and seq.params.greedy for seq, chunk, nd, samples in
+                   zip(batch.seqs, batch.num_chunk_tokens, batch.num_draft_tokens, batch.samples))
+
+    def _execute_decode_step(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
+        seqs = batch.seqs
+        width = max(len(seq.block_table) for seq in seqs)
+        tokens = self._tensor([[seq.token_ids[-1]] + seq.draft_token_ids for seq in seqs])
+        cached = self._tensor([seq.num_cached_tokens for seq in seqs])
+        tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        targets, accepted, drafts = self.decode_step(tokens, cached, tables, self.main_caches, self.draft_caches)
+        targets = targets.tolist()
+        if not self.k:
+            return targets, [0] * len(seqs)
+        accepted = accepted.tolist()
+        for seq, row in zip(seqs, drafts.tolist()):
+            seq.draft_token_ids = row
+        return [t[:a + 1] for t, a in zip(targets, accepted)], accepted
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor, qsl: list[int]):
         rows: list[int] = []

@@ -80,7 +80,12 @@ def warm_up(module: torch.nn.Module, call: Callable[[list[int], list[int]], None
         for news, context_lens in warm_up_shapes(k):
             call(news, context_lens)
     except Exception as exc:
-        raise GraphError(f"enable_graph: compiling the {type(module).__name__} forward failed ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else exc!r}); graph mode needs a C++ compiler "
-                         f"for torch.compile on CPU; run without --enable_graph") from exc
+        raise compile_failure(f"the {type(module).__name__} forward", exc) from exc
     return time.perf_counter() - start
+
+
+def compile_failure(what: str, exc: Exception) -> GraphError:
+    """The error for a graph that failed to compile, saying what to do."""
+    first_line = str(exc).splitlines()[0] if str(exc) else repr(exc)
+    return GraphError(f"enable_graph: compiling {what} failed ({type(exc).__name__}: {first_line}); graph mode "
+                      f"needs a C++ compiler for torch.compile on CPU; run without --enable_graph")

@@ -71,8 +71,8 @@ class OracleDrafts:
         if self.check is not None:
             self.check(batch, new_tokens)
         for seq, tokens in zip(batch.seqs, new_tokens):
-            if not tokens or not seq.draft_token_ids:
-                continue
+            if not tokens or not seq.draft_token_ids or seq.request_id not in self.reference:
+                continue  # (requests without a known greedy continuation keep their real drafts)
             done = len(seq) + len(tokens) - seq.num_prompt_tokens  # outputs after this step
             truth = self.reference[seq.request_id][done:]
             seq.draft_token_ids = [truth[j] if j < len(truth) and self.rng.random() < self.hit_rate else d

@@ -4,12 +4,18 @@ After every step, each sequence's proposals must equal what the MTP module
 computes from scratch over the accepted tokens (fresh caches, one sequence):
 main over all tokens, draft over positions 0..L-2 fed t_1..t_{L-1}, then k-1
 chained steps. So no stale draft entry from a rejected position, a preempted
-run or a reused prefix block can leak into a proposal.
+run or a reused prefix block can leak into a proposal. The same holds when
+greedy decode steps run as one call (graph mode's GreedyDecodeStep, run here
+without compiling: the compiled graph is the same code, covered by the slow
+graph-mode test).
 """
 
 import pytest
 import torch
 
+from mtp_runtime.sampling_params import SamplingParams
+
+from mtp_runtime.engine.graph_step import GreedyDecodeStep, StepMetadata, warm_up_batch_sizes
 from mtp_runtime.engine.model_runner import allocate_caches, cache_bytes_per_block
 from mtp_runtime.layers.attention import AttentionMetadata
 
@@ -38,8 +44,24 @@ def drafts_from_scratch(runner, tokens, k):
     return drafts
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_proposals_match_a_from_scratch_draft(kit, tiny_models, arch):
+def one_call_decode_steps(engine) -> list[int]:
+    """Route the engine's greedy decode steps through an uncompiled GreedyDecodeStep; returns a list
+    that grows by the batch size of each step it runs."""
+    runner = engine.runner
+    step = GreedyDecodeStep(runner.main, runner.draft, runner.k, runner.block_size, compile_graph=False)
+    calls: list[int] = []
+
+    def counted(tokens, *args):
+        calls.append(tokens.shape[0])
+        return step(tokens, *args)
+
+    runner.decode_step = counted
+    return calls
+
+
+@pytest.mark.parametrize("arch,one_call", [(arch, False) for arch in ARCHS] +
+                         [("deepseek_v3", True), ("glm4_moe", True)])
+def test_proposals_match_a_from_scratch_draft(kit, tiny_models, arch, one_call):
     k = 3
     # Shared 16-token prefix (prefix-cache hits), distinct tails.
     requests = {f"r{i}": (list(range(10, 26)) + list(range(100 + 7 * i, 104 + 9 * i)), kit.greedy(16))
@@ -57,10 +79,45 @@ def test_proposals_match_a_from_scratch_draft(kit, tiny_models, arch):
                 assert seq.draft_token_ids == expected, f"{seq.request_id} after {len(seq) + len(tokens)} tokens"
                 checked.append(seq.request_id)
 
+    one_call_steps = one_call_decode_steps(engine) if one_call else []
     kit.OracleDrafts(engine, reference, hit_rate=0.6, seed=5, check=check)
     assert kit.run_requests(engine, requests) == reference
     assert len(checked) > 10 and engine.stats().accepted_tokens > 0
     assert engine.stats().num_preemptions > 0 and engine.stats().prefix_cache_hit_tokens > 0
+    if one_call:
+        assert len(one_call_steps) > 5 and max(one_call_steps) > 1, "decode steps did not take the one-call path"
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_one_call_decode_step_output_is_plain_decoding(kit, tiny_models, arch, k):
+    """Requests arriving and finishing at different steps, some sampling: greedy decode-only steps
+    take the one-call path, every other step the step-by-step one, and greedy output does not change."""
+    requests = {f"r{i}": ([7 + i, 40, 41 + 3 * i, 99, 5 * i + 3] * (i + 1), kit.greedy(6 + 3 * i)) for i in range(5)}
+    arrivals = {0: ["r0", "r1"], 2: ["r2"], 5: ["r3", "r4"]}
+    reference = {rid: kit.run_requests(kit.make_engine(tiny_models[arch], 0), {rid: req})[rid]
+                 for rid, req in requests.items()}
+    engine = kit.make_engine(tiny_models[arch], k)
+    calls = one_call_decode_steps(engine)
+    if k:
+        kit.OracleDrafts(engine, reference, hit_rate=0.7, seed=k)
+    sampled = {"s0": ([3, 4, 5], SamplingParams(temperature=0.8, max_tokens=12, seed=1))}
+    got = kit.run_requests(engine, {**requests, **sampled}, {**arrivals, 1: ["s0"]})
+    assert {rid: got[rid] for rid in requests} == reference and len(got["s0"]) == 12
+    assert len(calls) > 3 and max(calls) > 1
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+
+
+def test_step_metadata_is_decode_only_and_warm_up_crosses_every_batch_threshold():
+    meta = StepMetadata(torch.zeros(2, dtype=torch.long), None)
+    with pytest.raises(RuntimeError, match="decode batch only"):
+        meta.sequences()
+    assert warm_up_batch_sizes(1) == [1]
+    assert warm_up_batch_sizes(16) == [1, 2, 3, 4, 6, 8, 12, 16]
+    sizes = warm_up_batch_sizes(100)
+    assert sizes[-1] == 100 and sizes == sorted(set(sizes))
+    # every size up to the limit has a warmed size at most 1.5x away, so no threshold is jumped far over
+    assert all(any(b <= w <= 1.5 * b for w in sizes) for b in range(1, 101))
 
 
 def test_cache_sizes_follow_the_model_spec(kit, tiny_models):

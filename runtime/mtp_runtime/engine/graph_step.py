@@ -1,0 +1,147 @@
+"""Graph mode's greedy decode step: verify, acceptance and the MTP draft chain in ONE compiled call.
+
+In a decode step of a small model, what costs is not the arithmetic but the
+calls around it: each compiled forward checks its guards, the step goes back
+to Python between the main forward, the logits, the acceptance and every
+draft position. When every sequence of a step is a greedy decode (one new
+token plus its k drafts), this module runs the whole step as one graph:
+
+1. main forward over the k+1 positions of every sequence (the batch is not
+   padded: every sequence brings exactly k+1 tokens), logits, argmax t;
+2. a = number of leading drafts equal to t (greedy acceptance);
+3. the draft's first pass over the same k+1 positions, fed the main hidden
+   states and t as the next tokens. Rows past a sequence's acceptance see
+   only earlier rows (causal) and write cache slots past its verified length,
+   which the next step overwrites before anything reads them, as in the
+   eager step (runtime/README.md, "Speculative step");
+4. the draft hidden at row a gives the first new draft; k-1 chained
+   single-token draft forwards give the rest.
+
+Positions, cache slots and the attention masks are computed inside the
+graph from the block tables and the cached lengths, so the host sends four
+small tensors and reads back three.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from mtp_runtime.engine.sampler import greedy_verify
+from mtp_runtime.layers.attention import DecodeBatch
+from mtp_runtime.models.graph import compile_failure
+
+log = logging.getLogger("mtp_runtime.engine")
+
+
+class StepMetadata:
+    """What the attention layers read of a step (`slot_mapping`, `decode_batch()`), built inside the
+    graph. Every sequence has the same number of new tokens, so the batch needs no padding."""
+
+    def __init__(self, slot_mapping: torch.Tensor, batch: DecodeBatch):
+        self.slot_mapping = slot_mapping
+        self._batch = batch
+
+    def decode_batch(self) -> DecodeBatch:
+        return self._batch
+
+    def sequences(self):
+        raise RuntimeError("StepMetadata describes a decode batch only; prefill chunks use AttentionMetadata")
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """tables [B, M] block ids, positions [B, n] -> cache slots [B, n]."""
+    return tables.gather(1, torch.div(positions, block_size, rounding_mode="floor")) * block_size \
+        + positions % block_size
+
+
+def _metadata(tables: torch.Tensor, positions: torch.Tensor, key_slots: torch.Tensor,
+              key_pos: torch.Tensor, block_size: int) -> StepMetadata:
+    """positions [B, n] of the new tokens; every sequence sees its keys up to each query's position."""
+    rows = torch.arange(positions.numel(), device=positions.device)
+    blocked = (key_pos.view(1, 1, 1, -1) > positions.unsqueeze(-1).unsqueeze(-1))  # [B, n, 1, L]
+    slots = _slots(tables, positions, block_size).flatten()
+    return StepMetadata(slots, DecodeBatch(rows, rows, key_slots, blocked))
+
+
+class GreedyDecodeStep:
+    """One compiled greedy decode step over `main` (and `draft` with k >= 1 drafts per sequence)."""
+
+    def __init__(self, main, draft, k: int, block_size: int, compile_graph: bool = True):
+        if k and draft is None:
+            raise ValueError("GreedyDecodeStep: k >= 1 drafts need the MTP draft model")
+        self.main, self.draft, self.k, self.block_size = main, draft, k, block_size
+        self._fn = torch.compile(self._step, dynamic=True) if compile_graph else self._step
+        self._warm = False
+
+    def _step(self, tokens: torch.Tensor, cached: torch.Tensor, tables: torch.Tensor,
+              main_caches: list, draft_caches: list):
+        """tokens [B, k+1] (the last accepted token, then the k drafts), cached [B] (tokens in the
+        caches), tables [B, M] (block ids, padded) -> (targets [B, k+1], accepted [B], drafts [B, k])."""
+        bs, k = self.block_size, self.k
+        b, n = tokens.shape
+        device = tokens.device
+        positions = cached.unsqueeze(1) + torch.arange(n, device=device)  # [B, n]
+        key_pos = torch.arange(tables.shape[1] * bs, device=device)  # every slot the tables reach
+        key_slots = _slots(tables, key_pos.unsqueeze(0).expand(b, -1), bs).flatten()  # [B * L]
+        meta = _metadata(tables, positions, key_slots, key_pos, bs)
+        hidden = self.main._forward_eager(tokens.flatten(), positions.flatten(), main_caches, meta)
+        targets = self.main.compute_logits(hidden).argmax(-1).view(b, n)
+        if not k:
+            return targets, None, None
+        accepted = greedy_verify(targets, tokens[:, 1:])  # [B]
+        out = self.draft._forward_eager(targets.flatten(), hidden, positions.flatten(), draft_caches, meta)
+        h = out.view(b, n, -1)[torch.arange(b, device=device), accepted]  # [B, H] at the last final position
+        draft = self.draft.compute_logits(h).argmax(-1)
+        drafts = [draft]
+        for j in range(1, k):
+            # the draft at position p reads the token at p + 1; position cached + accepted + j holds drafts[j-1]
+            pos = (cached + accepted + j).unsqueeze(1)  # [B, 1]
+            h = self.draft._forward_eager(draft, h, pos.flatten(), draft_caches,
+                                          _metadata(tables, pos, key_slots, key_pos, bs))
+            draft = self.draft.compute_logits(h).argmax(-1)
+            drafts.append(draft)
+        return targets, accepted, torch.stack(drafts, dim=1)
+
+    def __call__(self, tokens: torch.Tensor, cached: torch.Tensor, tables: torch.Tensor,
+                 main_caches: list, draft_caches: list):
+        if not self._warm:
+            return self._fn(tokens, cached, tables, main_caches, draft_caches)
+        # After warm-up every graph this step needs exists, and the engine builds its inputs the
+        # same way each step (same dtypes, devices, caches and modules); only the guards that told
+        # the warm-up's graphs apart (the batch-size thresholds) are checked. A batch shape no
+        # graph covers still compiles one.
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return self._fn(tokens, cached, tables, main_caches, draft_caches)
+
+    def warm_up(self, batch_sizes: list[int], num_blocks: int, main_caches: list, draft_caches: list,
+                device: torch.device) -> float:
+        """Compile the step for each batch size on dummy tokens in the first blocks (no sequence owns
+        a block yet, and a slot is written before it is read); returns the seconds it took."""
+        start = time.perf_counter()
+        n = self.k + 1
+        longest = 8 + 7 + 2 * n  # cached lengths 8..15, the verify positions, the draft chain's overhang
+        blocks = -(-longest // self.block_size)
+        try:
+            for b in batch_sizes:
+                tokens = torch.ones(b, n, dtype=torch.long, device=device)
+                cached = 8 + torch.arange(b, dtype=torch.long, device=device) % 8
+                tables = torch.arange(b * blocks, dtype=torch.long, device=device).view(b, blocks) % num_blocks
+                self._fn(tokens, cached, tables, main_caches, draft_caches)
+        except Exception as exc:
+            raise compile_failure("the decode step", exc) from exc
+        self._warm = True
+        return time.perf_counter() - start
+
+
+def warm_up_batch_sizes(max_seqs: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, ... up to max_seqs (and max_seqs itself). A compiled step's graphs
+    differ only at batch-size thresholds (the MoE's path per token count), and this sequence steps
+    across each threshold with sizes on both sides."""
+    sizes, b = [1, 2, 3], 4
+    while b < max_seqs:
+        sizes += [b, b + b // 2]
+        b *= 2
+    return sorted({s for s in sizes if s < max_seqs} | {max_seqs})
