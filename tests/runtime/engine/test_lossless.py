@@ -91,8 +91,16 @@ def test_graph_mode_output_is_identical_to_plain_decoding(kit, tiny_models, arch
     engine = kit.make_engine(tiny_models[arch], 2, enable_graph=True, **spec["options"])
     assert engine.runner.main.graph_enabled and engine.runner.draft.graph_enabled
     assert engine.runner.graph_warm_up_s > 0
+    compiled_step, one_call_batches = engine.runner.decode_step, []
+
+    def counted(tokens, *args):
+        one_call_batches.append(tokens.shape[0])
+        return compiled_step(tokens, *args)
+
+    engine.runner.decode_step = counted
     kit.OracleDrafts(engine, expected, hit_rate=0.7, seed=2)
     assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
+    assert len(one_call_batches) > 5 and max(one_call_batches) > 1, "no greedy decode step ran as one call"
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
 
