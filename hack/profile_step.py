@@ -5,6 +5,11 @@
 Prints the median milliseconds per forward for the main model at T = 1, 2, 4 new tokens (a decode step and
 verify steps of k = 1, 3) and for the draft at T = 1, all on one sequence with `--context`
 tokens already cached, measured in one run.
+
+Then how a matmul's time grows with its rows (1, 2, 4 tokens) for the model's lm_head weight and
+for a weight too large for the CPU's caches: where it grows with the rows, the step is bound by
+arithmetic and verifying k+1 tokens costs about k+1 decode steps of it; where it stays flat, the step
+is bound by reading weights, the regime speculative decoding is built for.
 """
 
 from __future__ import annotations
@@ -39,6 +44,25 @@ def step_ms(module, context: int, num_new: int, iters: int, hidden_size: int | N
     return statistics.median(times) * 1e3  # the median: a shared machine's load spikes do not move it
 
 
+def matmul_ms(weight: torch.Tensor, rows: int, iters: int) -> float:
+    x = torch.randn(rows, weight.shape[1])
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, weight)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def matmul_scaling(lm_head: torch.Tensor, iters: int) -> None:
+    large = torch.randn(16384, 2048)  # 128 MiB of float32: streamed from memory on every call
+    for name, weight in (("lm_head", lm_head), ("16384x2048", large)):
+        times = {rows: min(matmul_ms(weight, rows, iters) for _ in range(3)) for rows in (1, 2, 4)}
+        print(f"linear {name:>10} {tuple(weight.shape)}: " +
+              ", ".join(f"{rows} rows {ms:.3f} ms" for rows, ms in times.items()) +
+              f"; 2 rows / 1 = {times[2] / times[1]:.2f}, 4 rows / 1 = {times[4] / times[1]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -54,6 +78,8 @@ def main() -> None:
     for t in (1, 2, 4):
         print(f"main   T={t}: {step_ms(model, args.context, t, args.iters):7.3f} ms")
     print(f"draft  T=1: {step_ms(draft, args.context, 1, args.iters, model.config.hidden_size):7.3f} ms")
+    with torch.inference_mode():
+        matmul_scaling(model.lm_head.weight.detach().float(), args.iters)
 
 
 if __name__ == "__main__":
