@@ -86,13 +86,13 @@ async def bench_servers(urls: dict[str, str], tokenizer, plan: BenchPlan,
 
 
 def bench_local(model_dir: str, draft_dir: str, num_speculative_tokens: int, tokenizer, plan: BenchPlan,
-                extra_serve_flags: list[str]) -> dict[str, list[LevelResult]]:
+                extra_serve_flags: list[str], startup_timeout_s: float = 900.0) -> dict[str, list[LevelResult]]:
     """A baseline (no draft) and an MTP server, both up, measured in turns on the same prompts."""
     baseline_flags = ["--model", model_dir, *extra_serve_flags]
     mtp_flags = ["--model", model_dir, "--draft_model", draft_dir,
                  "--num_speculative_tokens", str(num_speculative_tokens), *extra_serve_flags]
     log.info("starting the baseline server: mtp serve %s", " ".join(baseline_flags))
-    with LocalServer(baseline_flags) as baseline:
+    with LocalServer(baseline_flags, startup_timeout_s) as baseline:
         log.info("starting the MTP server: mtp serve %s", " ".join(mtp_flags))
-        with LocalServer(mtp_flags) as mtp:
+        with LocalServer(mtp_flags, startup_timeout_s) as mtp:
             return asyncio.run(bench_servers({"baseline": baseline.base_url, "mtp": mtp.base_url}, tokenizer, plan))

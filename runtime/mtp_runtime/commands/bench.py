@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default): greedy; > 0: sampled, seeded per request, so acceptance is "
                              "speculative sampling's")
+    parser.add_argument("--startup-timeout", type=_positive, default=900,
+                        help="seconds each local server may take to load (and with --enable_graph, compile) "
+                             "before its /health answers 200")
     parser.add_argument("--out", default="bench-results", help="output directory")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
 
@@ -105,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             config.update(model=args.model, draft_model=draft, num_speculative_tokens=args.num_speculative_tokens,
                           serve_args=args.serve_args)
             runs = bench_local(args.model, draft, args.num_speculative_tokens, tokenizer, plan,
-                               shlex.split(args.serve_args))
+                               shlex.split(args.serve_args), startup_timeout_s=args.startup_timeout)
     except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         print(f"mtp bench: {exc}", file=sys.stderr)
         return 1
