@@ -35,6 +35,11 @@ from mtp_runtime.models.graph import compile_failure
 
 log = logging.getLogger("mtp_runtime.engine")
 
+# Architectures whose decode steps take the one-call graph. GLM's (GQA) one-call graph measured slower
+# than its per-forward graphs at batch 4 and above (hack/bench_engine.py --enable-graph: 301 vs 387-443
+# tokens/s at batch 4), for a reason not yet found, so GLM keeps the per-forward path.
+ONE_CALL_ARCHS = ("deepseek_v3",)
+
 
 class StepMetadata:
     """What the attention layers read of a step (`slot_mapping`, `decode_batch()`), built inside the

@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from mtp_runtime.engine.config import EngineConfig
-from mtp_runtime.engine.graph_step import GreedyDecodeStep, warm_up_batch_sizes
+from mtp_runtime.engine.graph_step import ONE_CALL_ARCHS, GreedyDecodeStep, warm_up_batch_sizes
 from mtp_runtime.engine.sampler import RowParams, probabilities, sample_from, speculative_verify, uniform_rows
 from mtp_runtime.engine.scheduler import ScheduledBatch
 from mtp_runtime.engine.sequence import Sequence
@@ -88,7 +88,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         # Graph mode: all-greedy decode steps run verify, acceptance and drafting as one compiled call.
         self.decode_step = GreedyDecodeStep(self.main, self.draft, self.k, self.block_size) \
-            if config.enable_graph else None
+            if config.enable_graph and self.model_config.arch in ONE_CALL_ARCHS else None
         self.graph_warm_up_s = self._warm_up_graphs() if config.enable_graph else 0.0
 
     def _warm_up_graphs(self) -> float:
@@ -120,8 +120,10 @@ class ModelRunner:
             seconds = warm_up(self.main, run_main, self.k)
             if self.draft is not None:
                 seconds += warm_up(self.draft, run_draft, self.k)
-            seconds += self.decode_step.warm_up(warm_up_batch_sizes(self.config.max_seqs_per_batch),
-                                                self.num_blocks, self.main_caches, self.draft_caches, self.device)
+            if self.decode_step is not None:
+                seconds += self.decode_step.warm_up(warm_up_batch_sizes(self.config.max_seqs_per_batch),
+                                                    self.num_blocks, self.main_caches, self.draft_caches,
+                                                    self.device)
         log.info("graph mode: decode graphs compiled in %.1fs", seconds)
         return seconds
 
