@@ -244,3 +244,11 @@ def test_kind_e2e_cleans_up_when_never_ready(tmp_path, e2e_models):
     assert calls[-1][:3] == ["kind", "delete", "cluster"]
     assert not [call for call in calls if call[0] == "rank0"]
     assert (e2e_models / "tiny-deepseek-v3" / "config.json").is_file()
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("Run the tests", 1)[1]
+    command = section.split("```bash\n", 1)[1].split("\n```", 1)[0].strip()
+    ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert command in ci_lines, f"README's test command {command!r} is not a line of .ci/run"
