@@ -18,13 +18,12 @@ token plus its k drafts), this module runs the whole step as one graph:
    single-token draft forwards give the rest.
 
 Positions, cache slots and the attention masks are computed inside the
-graph from the block tables and the cached lengths, so the host sends four
+graph from the block tables and the cached lengths, so the host sends three
 small tensors and reads back three.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -32,8 +31,6 @@ import torch
 from mtp_runtime.engine.sampler import greedy_verify
 from mtp_runtime.layers.attention import DecodeBatch
 from mtp_runtime.models.graph import compile_failure
-
-log = logging.getLogger("mtp_runtime.engine")
 
 # Architectures whose decode steps take the one-call graph. GLM's (GQA) one-call graph measured slower
 # than its per-forward graphs at batch 4 and above (hack/bench_engine.py --enable-graph: 301 vs 387-443
