@@ -64,12 +64,18 @@ ARG APP_UID
 ARG TORCH_VERSION
 ARG TORCH_CPU_INDEX
 COPY --from=wheel /wheels /wheels
-RUN python -m pip install ${TORCH_CPU_INDEX:+--index-url "${TORCH_CPU_INDEX}"} "torch==${TORCH_VERSION}" \
+# g++: the packed CPU linear kernel and graph mode (torch.compile) build C++ on the machine.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m pip install ${TORCH_CPU_INDEX:+--index-url "${TORCH_CPU_INDEX}"} "torch==${TORCH_VERSION}" \
     && wheel="$(ls /wheels/mtp_operator-*.whl)" \
     && python -m pip install "torch==${TORCH_VERSION}" "${wheel}[runtime]" \
     && rm -rf /wheels \
     && mtp serve --help > /dev/null && mtp export --help > /dev/null
 USER ${APP_UID}:${APP_UID}
+# Build the packed CPU linear once, into the image (a CPU without AVX2 skips it and uses F.linear).
+RUN python -c "from mtp_runtime.kernels import cpu_gemm; print('packed CPU linear:', cpu_gemm.available())"
 EXPOSE 8000
 ENTRYPOINT ["mtp"]
 CMD ["serve", "--help"]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_runtime.distributed import ParallelState, get_parallel_state
+from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.linear import load_full
 
 
@@ -40,6 +41,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; logits are gathered from all ranks, in float32."""
 
+    weight_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        self.weight_packed = cpu_gemm.pack(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        logits = cpu_gemm.linear(hidden, self.weight, None, self.weight_packed).float()
         return self.parallel.all_gather(logits, dim=-1)

@@ -8,10 +8,10 @@ decided once, where weights are loaded.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mtp_runtime.distributed import ParallelState, get_parallel_state
+from mtp_runtime.kernels import cpu_gemm
 
 
 def check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
@@ -35,6 +35,11 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.bias_loader
+        self.fused = False  # set by fuse_linears: the fused weight is the one used
+        self.weight_packed: torch.Tensor | None = None  # set by pack_weights() (kernels/cpu_gemm.py)
+
+    def pack_weights(self) -> None:
+        self.weight_packed = None if self.fused else cpu_gemm.pack(self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         load_full(param, loaded, name)
@@ -43,7 +48,7 @@ class LinearBase(nn.Module):
         load_full(param, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.weight_packed)
 
 
 class ReplicatedLinear(LinearBase):
@@ -93,7 +98,7 @@ class RowParallelLinear(LinearBase):
         load_full(param, loaded.narrow(1, start, size), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.parallel.all_reduce(F.linear(x, self.weight))
+        out = self.parallel.all_reduce(cpu_gemm.linear(x, self.weight, None, self.weight_packed))
         # The bias is added once, after the sum, not on every rank's partial.
         return out if self.bias is None else out + self.bias
 
@@ -112,6 +117,7 @@ def fuse_linears(*linears: LinearBase) -> tuple[torch.Tensor, torch.Tensor | Non
     for lin in linears:
         rows = lin.weight.shape[0]
         lin.weight.data = weight[start:start + rows]
+        lin.fused = True
         if lin.bias is not None:
             lin.bias.data = bias[start:start + rows]
         start += rows
@@ -119,10 +125,13 @@ def fuse_linears(*linears: LinearBase) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 def prepare_for_inference(module: nn.Module) -> nn.Module:
-    """After loading: let every submodule that can fuse its weights do so (see `fuse_linears`)."""
-    for sub in module.modules():
-        fuse = getattr(sub, "fuse_weights", None)
-        if fuse is not None:
-            fuse()
+    """After loading, on the final device and dtype: let every submodule that can fuse its weights
+    do so (see `fuse_linears`), then pack the weights its matmuls read (kernels/cpu_gemm.py; a no-op
+    off float32 CPUs)."""
+    for step in ("fuse_weights", "pack_weights"):
+        for sub in module.modules():
+            method = getattr(sub, step, None)
+            if method is not None:
+                method()
     return module
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
+from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, fuse_linears, load_full
 
 
@@ -35,14 +36,18 @@ class DenseMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel=parallel)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel=parallel)
         self.gate_up: torch.Tensor | None = None  # [2I, H] once fuse_weights() ran
+        self.gate_up_packed: torch.Tensor | None = None
 
     def fuse_weights(self) -> None:
         self.gate_up, _ = fuse_linears(self.gate_proj, self.up_proj)
 
+    def pack_weights(self) -> None:
+        self.gate_up_packed = None if self.gate_up is None else cpu_gemm.pack(self.gate_up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        gate, up = cpu_gemm.linear(x, self.gate_up, None, self.gate_up_packed).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -100,6 +105,8 @@ class RoutedExperts(nn.Module):
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
         self.w2_stacked: torch.Tensor | None = None  # [E_local * I, H], set by fuse_weights()
+        self.w13_packed: torch.Tensor | None = None  # the dense path's two matmuls, packed (cpu_gemm)
+        self.w2_packed: torch.Tensor | None = None
 
     def is_local(self, expert_id: int) -> bool:
         return expert_id in self.local
@@ -159,6 +166,11 @@ class RoutedExperts(nn.Module):
         if len(self.local) <= DENSE_MAX_EXPERTS:
             self.w2_stacked = self.w2.detach().transpose(1, 2).reshape(-1, self.w2.shape[1]).contiguous()
 
+    def pack_weights(self) -> None:
+        if self.w2_stacked is not None:
+            self.w13_packed = cpu_gemm.pack(self.w13.detach().view(-1, self.w13.shape[-1]))
+            self.w2_packed = cpu_gemm.pack(self.w2_stacked.t())
+
     def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every local expert on every token, combined with the routing weights (zero if unchosen):
         two matmuls in all, since sum_e c_e W2_e a_e = [W2_1 .. W2_E] [c_1 a_1; ..; c_E a_E]."""
@@ -168,10 +180,11 @@ class RoutedExperts(nn.Module):
         combine = torch.zeros(x.shape[0], num_local, dtype=x.dtype, device=x.device)
         combine.scatter_add_(1, local_ids.clamp(0, num_local - 1),
                              torch.where(is_local, weights, torch.zeros_like(weights)).to(x.dtype))
-        gate_up = F.linear(x, self.w13.view(-1, self.w13.shape[-1])).view(x.shape[0], num_local, -1)
+        gate_up = cpu_gemm.linear(x, self.w13.view(-1, self.w13.shape[-1]), None, self.w13_packed) \
+            .view(x.shape[0], num_local, -1)
         gate, up = gate_up.chunk(2, dim=-1)  # [N, E, I] each
         act = F.silu(gate) * up * combine.unsqueeze(-1)
-        return torch.mm(act.reshape(x.shape[0], -1), self.w2_stacked)
+        return cpu_gemm.linear(act.reshape(x.shape[0], -1), self.w2_stacked.t(), None, self.w2_packed)
 
     def _expert(self, h: torch.Tensor, local: int) -> torch.Tensor:
         gate, up = F.linear(h, self.w13[local]).chunk(2, dim=-1)

@@ -9,6 +9,7 @@ from torch import nn
 
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
+from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.attention import (AttentionMetadata, attend, attend_decode_batch, causal_mask, gather_cache,
                                          write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, fuse_linears
@@ -38,9 +39,13 @@ class GQAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qkv: torch.Tensor | None = None  # q, k and v projections as one weight
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_packed: torch.Tensor | None = None
 
     def fuse_weights(self) -> None:
         self.qkv, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def pack_weights(self) -> None:
+        self.qkv_packed = None if self.qkv is None else cpu_gemm.pack(self.qkv)
 
     def kv_cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
@@ -48,7 +53,7 @@ class GQAttention(nn.Module):
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         if self.qkv is not None:
             kv_width = self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
+            q, k, v = cpu_gemm.linear(x, self.qkv, self.qkv_bias, self.qkv_packed).split(
                 [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

@@ -15,6 +15,7 @@ from torch import nn
 
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
+from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.attention import (AttentionMetadata, attend, attend_decode_batch_shared, causal_mask,
                                          gather_cache, write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fuse_linears
@@ -47,10 +48,14 @@ class MLAttention(nn.Module):
         self.rotate = apply_rope_interleaved if config.rope_interleave else apply_rope_halves
         self.qkv_a: torch.Tensor | None = None  # q_a_proj and kv_a_proj_with_mqa as one weight
         self.qkv_a_bias: torch.Tensor | None = None
+        self.qkv_a_packed: torch.Tensor | None = None
 
     def fuse_weights(self) -> None:
         if self.config.q_lora_rank is not None:
             self.qkv_a, self.qkv_a_bias = fuse_linears(self.q_a_proj, self.kv_a_proj_with_mqa)
+
+    def pack_weights(self) -> None:
+        self.qkv_a_packed = None if self.qkv_a is None else cpu_gemm.pack(self.qkv_a)
 
     def kv_cache_spec(self) -> dict[str, tuple[int, ...]]:
         spec = {"latent": (self.kv_rank + self.rope,)}
@@ -61,7 +66,7 @@ class MLAttention(nn.Module):
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., H] -> q_nope [..., h, nope], q_rot [..., h, rope], latent [..., r + rope], q latent."""
         if self.qkv_a is not None:  # one matmul for both down-projections
-            q_latent, kv = F.linear(x, self.qkv_a, self.qkv_a_bias).split(
+            q_latent, kv = cpu_gemm.linear(x, self.qkv_a, self.qkv_a_bias, self.qkv_a_packed).split(
                 [self.config.q_lora_rank, self.kv_rank + self.rope], dim=-1)
             q_latent = self.q_a_layernorm(q_latent)
             q = self.q_b_proj(q_latent)

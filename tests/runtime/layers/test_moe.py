@@ -7,6 +7,7 @@ import torch
 from mtp_runtime.checkpoint.configs import build_config
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState
+from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers import moe
 from mtp_runtime.layers.moe import RoutedExperts, TopkRouter
 
@@ -56,11 +57,16 @@ def test_host_routed_token_with_no_local_expert_gets_zeros():
     assert torch.equal(experts._forward_host_routed(x, weights, ids), torch.zeros_like(x))
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("num_tokens,ep_rank", [(1, None), (5, None), (4, 1)])
-def test_dense_path_matches_per_expert_loop(num_tokens, ep_rank):
+def test_dense_path_matches_per_expert_loop(num_tokens, ep_rank, packed, monkeypatch):
     parallel = None if ep_rank is None else ParallelState(ep_rank=ep_rank, ep_size=2)
     experts, x, weights, ids = experts_and_routing(num_tokens, parallel, seed=2)
     experts.fuse_weights()
+    if packed:  # its two matmuls on the packed CPU kernel (kernels/cpu_gemm.py), as graph mode runs them
+        monkeypatch.setattr(cpu_gemm, "MIN_PACKED_ELEMENTS", 0)
+        experts.pack_weights()
+        assert experts.w13_packed is not None and experts.w2_packed is not None
     assert torch.allclose(experts._forward_dense(x, weights, ids),
                           experts._forward_per_expert(x, weights, ids), atol=1e-5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.attention import AttentionMetadata
 from mtp_runtime.models.loader import load_model
 
@@ -26,20 +27,25 @@ def pairs(tiny_dirs, reference_model):
     return {case: (load_model(tiny_dirs[case]), reference_model(tiny_dirs[case])) for case in CASES}
 
 
+def paged_logits(ours, ids: torch.Tensor) -> torch.Tensor:
+    """Prefill the first 10 tokens, then decode one token at a time through the paged cache."""
+    with torch.no_grad():
+        caches = empty_caches(ours)
+        hidden = ours(ids[:10], torch.arange(10), caches, AttentionMetadata.for_sequence(0, 10, block_size=4))
+        got = [ours.compute_logits(hidden)]
+        for pos in range(10, len(ids)):
+            meta = AttentionMetadata.for_sequence(pos, 1, block_size=4)
+            got.append(ours.compute_logits(ours(ids[pos:pos + 1], torch.tensor([pos]), caches, meta)))
+    return torch.cat(got)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_prompt_and_decode_logits_match_transformers(pairs, case):
     ours, ref = pairs[case]
     ids = prompt(PROMPT_LEN)
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]  # [S, V]
-        caches = empty_caches(ours)
-        # prefill the first 10 tokens, then decode one token at a time through the paged cache
-        hidden = ours(ids[:10], torch.arange(10), caches, AttentionMetadata.for_sequence(0, 10, block_size=4))
-        got = [ours.compute_logits(hidden)]
-        for pos in range(10, PROMPT_LEN):
-            meta = AttentionMetadata.for_sequence(pos, 1, block_size=4)
-            got.append(ours.compute_logits(ours(ids[pos:pos + 1], torch.tensor([pos]), caches, meta)))
-    got = torch.cat(got)
+    got = paged_logits(ours, ids)
     assert got.dtype == torch.float32 and expected.abs().max() > 1.0  # logits are not trivially small
     assert (got - expected).abs().max().item() <= TOL
     # and against transformers' own incremental decode with its KV cache
@@ -51,6 +57,22 @@ def test_prompt_and_decode_logits_match_transformers(pairs, case):
             ref_steps.append(out.logits[0])
             cache = out.cache
     assert (got - torch.cat(ref_steps)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3", "glm4_moe"])
+def test_packed_cpu_linears_keep_the_logits_exact(pairs, tiny_dirs, case, monkeypatch):
+    """Every linear on the packed CPU kernel (kernels/cpu_gemm.py; the tiny weights are below the size
+    the runtime packs, so the test lowers it) still matches transformers."""
+    monkeypatch.setattr(cpu_gemm, "MIN_PACKED_ELEMENTS", 0)
+    packed = load_model(tiny_dirs[case])
+    assert packed.lm_head.weight_packed is not None
+    attn = packed.model.layers[0].self_attn
+    assert (attn.qkv_a_packed if case == "deepseek_v3" else attn.qkv_packed) is not None
+    assert packed.model.layers[0].mlp.gate_up_packed is not None
+    ids = prompt(PROMPT_LEN)
+    with torch.no_grad():
+        expected = pairs[case][1](ids[None]).logits[0]
+    assert (paged_logits(packed, ids) - expected).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("case", CASES)

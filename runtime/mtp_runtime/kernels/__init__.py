@@ -1,0 +1,1 @@
+"""CPU kernels the runtime builds on first use (cpu_gemm.cpp: the packed float32 linear)."""

@@ -1,0 +1,88 @@
+"""Packed float32 linear for AVX2 CPUs (cpu_gemm.cpp), built on first use, with a fallback.
+
+`pack(weight)` returns the packed copy of a float32 CPU weight, or None where the kernel cannot run
+(another device or dtype, a CPU without AVX2/FMA, no C++ compiler, MTP_CPU_GEMM=0); `linear(x,
+weight, bias, packed)` uses the packed copy when there is one and `F.linear` otherwise, so callers
+never branch. The kernel is built once per machine with torch's extension builder (cached under
+TORCH_EXTENSIONS_DIR); a failed build logs why and leaves every layer on `F.linear`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+PANEL = 16  # output features per packed panel (cpu_gemm.cpp kPanel)
+# Smaller weights stay on F.linear: their product costs less than calling a custom op (a few us).
+MIN_PACKED_ELEMENTS = 65536
+ENV = "MTP_CPU_GEMM"  # "0" turns the kernel off
+
+_built: bool | None = None  # None: not tried yet
+
+
+def _cpu_supported() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def available() -> bool:
+    """Whether the packed kernel is on, building it the first time it is asked."""
+    global _built
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if _built is None:
+        _built = _build()
+    return _built
+
+
+def _build() -> bool:
+    if not _cpu_supported():
+        log.info("packed CPU linear off: needs an x86-64 CPU with AVX2 and FMA (torch reports %s)",
+                 torch.backends.cpu.get_cpu_capability())
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="mtp_runtime_cpu_gemm", sources=[str(Path(__file__).with_name("cpu_gemm.cpp"))],
+             extra_cflags=["-O3", "-mavx2", "-mfma"], is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: run on F.linear instead
+        log.warning("packed CPU linear off, its build failed (%s: %s); layers use F.linear",
+                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return False
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("mtp_runtime::packed_linear")
+    def _(x, weight, packed, bias=None):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """[O, I] float32 CPU weight -> [ceil(O/16), I, 16] panels (zero-padded), or None where the
+    kernel does not apply."""
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or weight.numel() < MIN_PACKED_ELEMENTS or not available():
+        return None
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded = weight.new_zeros(panels * PANEL, in_features)
+    padded[:out_features] = weight.detach()
+    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), on the packed kernel when `packed` is given and x is float32."""
+    if packed is None or x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    return torch.ops.mtp_runtime.packed_linear(x, weight, packed, bias)
