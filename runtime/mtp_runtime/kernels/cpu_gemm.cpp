@@ -22,6 +22,10 @@ constexpr int64_t kRows = 4;    // rows per pass over a panel: 8 accumulators + 
 // Up to this many rows the packed kernel ran faster than the BLAS library's GEMM on the bench model's
 // weights (hack/bench_cpu_gemm.py); above it, at::linear.
 constexpr int64_t kMaxRows = 256;
+// One row by a weight of this many elements or more (32 MiB, the size of the bench machine's L3) is a
+// matrix-vector product bound by streaming the weight from memory, where the BLAS library's gemv was
+// as fast or faster (hack/bench_cpu_gemm.py): at::linear.
+constexpr int64_t kGemvElements = int64_t{8} << 20;
 
 template <int M>
 void panel_rows(const float* x, int64_t ldx, const float* panel, const float* bias, float* y, int64_t ldy,
@@ -78,8 +82,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at
                 "packed_linear: bias must be float32 with ", out_features, " values");
   }
   const int64_t rows = x.numel() / in_features;
-  if (rows > kMaxRows) {
-    return at::linear(x, weight, b);  // a prefill chunk: the blocked GEMM of the BLAS library wins there
+  if (rows > kMaxRows || (rows == 1 && weight.numel() >= kGemvElements)) {
+    return at::linear(x, weight, b);  // a prefill chunk, or one row streaming a large weight
   }
   const at::Tensor input = x.reshape({-1, in_features}).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

@@ -32,6 +32,14 @@ def test_matches_f_linear(pack_all, out_features, in_features, rows):
         torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
+def test_one_row_by_a_large_weight_takes_the_library_path(pack_all):
+    weight = torch.randn(8192, 1024)  # 8M elements: cpu_gemm.cpp kGemvElements
+    packed = pack_all(weight)
+    for rows in (1, 2):
+        x = torch.randn(rows, 1024)
+        torch.testing.assert_close(cpu_gemm.linear(x, weight, None, packed), F.linear(x, weight), rtol=1e-5, atol=1e-3)
+
+
 def test_keeps_leading_dimensions_and_reads_strided_inputs(pack_all):
     weight = torch.randn(48, 40)
     packed = pack_all(weight)
