@@ -66,7 +66,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at
                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
               "packed_linear: input must be a float32 CPU tensor, got ", x.scalar_type(), " on ", x.device());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) > 0 && packed.size(2) == kPanel && packed.is_contiguous() &&
                   packed.scalar_type() == at::kFloat,
               "packed_linear: packed weight must be a contiguous float32 [panels, in_features, 16] tensor, got ",
               packed.sizes());

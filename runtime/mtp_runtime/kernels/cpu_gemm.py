@@ -67,10 +67,10 @@ def _register_fake() -> None:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
+def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
     """[O, I] float32 CPU weight -> [ceil(O/16), I, 16] panels (zero-padded), or None where the
-    kernel does not apply."""
-    if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+    kernel does not apply (or there is no weight: an unfused layer's fused tensor)."""
+    if weight is None or weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.float32 \
             or weight.numel() < MIN_PACKED_ELEMENTS or not available():
         return None
     out_features, in_features = weight.shape

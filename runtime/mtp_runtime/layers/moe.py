@@ -42,7 +42,7 @@ class DenseMLP(nn.Module):
         self.gate_up, _ = fuse_linears(self.gate_proj, self.up_proj)
 
     def pack_weights(self) -> None:
-        self.gate_up_packed = None if self.gate_up is None else cpu_gemm.pack(self.gate_up)
+        self.gate_up_packed = cpu_gemm.pack(self.gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:

@@ -45,7 +45,7 @@ class GQAttention(nn.Module):
         self.qkv, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def pack_weights(self) -> None:
-        self.qkv_packed = None if self.qkv is None else cpu_gemm.pack(self.qkv)
+        self.qkv_packed = cpu_gemm.pack(self.qkv)
 
     def kv_cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}

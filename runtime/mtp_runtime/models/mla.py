@@ -55,7 +55,7 @@ class MLAttention(nn.Module):
             self.qkv_a, self.qkv_a_bias = fuse_linears(self.q_a_proj, self.kv_a_proj_with_mqa)
 
     def pack_weights(self) -> None:
-        self.qkv_a_packed = None if self.qkv_a is None else cpu_gemm.pack(self.qkv_a)
+        self.qkv_a_packed = cpu_gemm.pack(self.qkv_a)
 
     def kv_cache_spec(self) -> dict[str, tuple[int, ...]]:
         spec = {"latent": (self.kv_rank + self.rope,)}
