@@ -18,8 +18,14 @@ token plus its k drafts), this module runs the whole step as one graph:
    single-token draft forwards give the rest.
 
 Positions, cache slots and the attention masks are computed inside the
-graph from the block tables and the cached lengths, so the host sends three
-small tensors and reads back three.
+graph from the block tables and the cached lengths, so the host sends one
+small tensor (the step's plan) and reads back three.
+
+Only two sizes are dynamic: the batch size and the block-table width. The
+weights, the caches and the k + 1 tokens per sequence are constants of the
+graph, so its kernels have fixed trip counts, and inductor writes the code
+that calls them in C++ (in Python, calling a hundred small kernels cost as
+much as running them).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 
 from mtp_runtime.engine.sampler import greedy_verify
 from mtp_runtime.layers.attention import DecodeBatch
-from mtp_runtime.models.graph import compile_failure
+from mtp_runtime.models.graph import compile_failure, compile_method
 
 # Architectures whose decode steps take the one-call graph. GLM's (GQA) one-call graph measured slower
 # than its per-forward graphs at batch 4 and above (hack/bench_engine.py --enable-graph: 301 vs 387-443
@@ -59,13 +65,13 @@ def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> to
         + positions % block_size
 
 
-def _metadata(tables: torch.Tensor, positions: torch.Tensor, key_slots: torch.Tensor,
-              key_pos: torch.Tensor, block_size: int) -> StepMetadata:
+def _metadata(tables: torch.Tensor, positions: torch.Tensor, key_pos: torch.Tensor,
+              block_size: int) -> StepMetadata:
     """positions [B, n] of the new tokens; every sequence sees its keys up to each query's position."""
     rows = torch.arange(positions.numel(), device=positions.device)
     blocked = (key_pos.view(1, 1, 1, -1) > positions.unsqueeze(-1).unsqueeze(-1))  # [B, n, 1, L]
     slots = _slots(tables, positions, block_size).flatten()
-    return StepMetadata(slots, DecodeBatch(rows, rows, key_slots, blocked))
+    return StepMetadata(slots, DecodeBatch(rows, rows, tables.flatten(), blocked))
 
 
 class GreedyDecodeStep:
@@ -75,20 +81,25 @@ class GreedyDecodeStep:
         if k and draft is None:
             raise ValueError("GreedyDecodeStep: k >= 1 drafts need the MTP draft model")
         self.main, self.draft, self.k, self.block_size = main, draft, k, block_size
-        self._fn = torch.compile(self._step, dynamic=True) if compile_graph else self._step
+        self._fn = compile_method(self._step, cpp_wrapper=True) if compile_graph else self._step
         self._warm = False
 
-    def _step(self, tokens: torch.Tensor, cached: torch.Tensor, tables: torch.Tensor,
-              main_caches: list, draft_caches: list):
-        """tokens [B, k+1] (the last accepted token, then the k drafts), cached [B] (tokens in the
-        caches), tables [B, M] (block ids, padded) -> (targets [B, k+1], accepted [B], drafts [B, k])."""
+    @staticmethod
+    def plan(cached: int, tokens: list[int], table: list[int], width: int) -> list[int]:
+        """One sequence's row of the step's plan: its cached length, its k+1 tokens (the last accepted
+        token, then the drafts) and its block table padded to `width` blocks."""
+        return [cached, *tokens, *table, *[0] * (width - len(table))]
+
+    def _step(self, plan: torch.Tensor, main_caches: list, draft_caches: list):
+        """plan [B, 1 + (k+1) + M] (rows from `plan`) -> (targets [B, k+1], accepted [B], drafts [B, k])."""
         bs, k = self.block_size, self.k
-        b, n = tokens.shape
-        device = tokens.device
+        n = k + 1
+        cached, tokens, tables = plan[:, 0], plan[:, 1:1 + n], plan[:, 1 + n:]
+        b = plan.shape[0]
+        device = plan.device
         positions = cached.unsqueeze(1) + torch.arange(n, device=device)  # [B, n]
         key_pos = torch.arange(tables.shape[1] * bs, device=device)  # every slot the tables reach
-        key_slots = _slots(tables, key_pos.unsqueeze(0).expand(b, -1), bs).flatten()  # [B * L]
-        meta = _metadata(tables, positions, key_slots, key_pos, bs)
+        meta = _metadata(tables, positions, key_pos, bs)
         hidden = self.main._forward_eager(tokens.flatten(), positions.flatten(), main_caches, meta)
         targets = self.main.compute_logits(hidden).argmax(-1).view(b, n)
         if not k:
@@ -102,21 +113,23 @@ class GreedyDecodeStep:
             # the draft at position p reads the token at p + 1; position cached + accepted + j holds drafts[j-1]
             pos = (cached + accepted + j).unsqueeze(1)  # [B, 1]
             h = self.draft._forward_eager(draft, h, pos.flatten(), draft_caches,
-                                          _metadata(tables, pos, key_slots, key_pos, bs))
+                                          _metadata(tables, pos, key_pos, bs))
             draft = self.draft.compute_logits(h).argmax(-1)
             drafts.append(draft)
         return targets, accepted, torch.stack(drafts, dim=1)
 
-    def __call__(self, tokens: torch.Tensor, cached: torch.Tensor, tables: torch.Tensor,
-                 main_caches: list, draft_caches: list):
+    def __call__(self, plan: torch.Tensor, main_caches: list, draft_caches: list):
+        # the batch size and the block-table width vary; every other size is a constant of the graph
+        torch._dynamo.maybe_mark_dynamic(plan, 0)
+        torch._dynamo.maybe_mark_dynamic(plan, 1)
         if not self._warm:
-            return self._fn(tokens, cached, tables, main_caches, draft_caches)
+            return self._fn(plan, main_caches, draft_caches)
         # After warm-up every graph this step needs exists, and the engine builds its inputs the
         # same way each step (same dtypes, devices, caches and modules); only the guards that told
         # the warm-up's graphs apart (the batch-size thresholds) are checked. A batch shape no
         # graph covers still compiles one.
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self._fn(tokens, cached, tables, main_caches, draft_caches)
+            return self._fn(plan, main_caches, draft_caches)
 
     def warm_up(self, batch_sizes: list[int], num_blocks: int, main_caches: list, draft_caches: list,
                 device: torch.device) -> float:
@@ -128,10 +141,9 @@ class GreedyDecodeStep:
         blocks = -(-longest // self.block_size)
         try:
             for b in batch_sizes:
-                tokens = torch.ones(b, n, dtype=torch.long, device=device)
-                cached = 8 + torch.arange(b, dtype=torch.long, device=device) % 8
-                tables = torch.arange(b * blocks, dtype=torch.long, device=device).view(b, blocks) % num_blocks
-                self._fn(tokens, cached, tables, main_caches, draft_caches)
+                rows = [self.plan(8 + i % 8, [1] * n, [(i * blocks + j) % num_blocks for j in range(blocks)],
+                                  blocks) for i in range(b)]
+                self(torch.tensor(rows, dtype=torch.long, device=device), main_caches, draft_caches)
         except Exception as exc:
             raise compile_failure("the decode step", exc) from exc
         self._warm = True

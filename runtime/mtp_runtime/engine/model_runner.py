@@ -184,10 +184,9 @@ class ModelRunner:
     def _execute_decode_step(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
         seqs = batch.seqs
         width = max(len(seq.block_table) for seq in seqs)
-        tokens = self._tensor([[seq.token_ids[-1]] + seq.draft_token_ids for seq in seqs])
-        cached = self._tensor([seq.num_cached_tokens for seq in seqs])
-        tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
-        targets, accepted, drafts = self.decode_step(tokens, cached, tables, self.main_caches, self.draft_caches)
+        plan = self._tensor([GreedyDecodeStep.plan(seq.num_cached_tokens, [seq.token_ids[-1], *seq.draft_token_ids],
+                                                   seq.block_table, width) for seq in seqs])
+        targets, accepted, drafts = self.decode_step(plan, self.main_caches, self.draft_caches)
         targets = targets.tolist()
         if not self.k:
             return targets, [0] * len(seqs)

@@ -97,19 +97,20 @@ DECODE_MAX_NEW = 16
 
 @dataclass
 class DecodeBatch:
-    """B sequences with at most n new tokens each, padded to n queries over L keys.
+    """B sequences with at most n new tokens each, padded to n queries over L = W * block_size keys.
 
     Every field is always a tensor (padding and masks that happen to be trivial included), so a
     compiled graph sees one structure for every step and never recompiles for it.
     query_rows: [B * n] rows of the flattened batch to read, padding repeating a real row.
     out_index: [num tokens] position in the padded [B * n] of each flattened row.
-    key_slots: [B * L] cache slots, each sequence's context then padding (its first slot again).
+    key_blocks: [B * W] cache blocks, each sequence's block table padded to W blocks (with any
+        block: the keys past a sequence's context are masked). Keys are read a block at a time.
     blocked: [B, n, 1, L] True where a query must not see a key (padding, later positions).
     """
 
     query_rows: torch.Tensor
     out_index: torch.Tensor
-    key_slots: torch.Tensor
+    key_blocks: torch.Tensor
     blocked: torch.Tensor
 
     # B, n and L are read off the mask's shape (not kept as ints) so that a compiled graph treats
@@ -133,23 +134,24 @@ class DecodeBatch:
         if not news or max(news) > DECODE_MAX_NEW or min(news) == 0:
             return None
         device = meta.slot_mapping.device
-        n, keys = max(news), max(ctx_lens)
-        slots: list[torch.Tensor] = []
+        bs = meta.block_size
+        n, width = max(news), -(-max(ctx_lens) // bs)
+        blocks: list[int] = []
         rows: list[int] = []
         index: list[int] = []
         for i, (ctx, new) in enumerate(zip(ctx_lens, news)):
-            seq_slots = meta.context_slots(i, device)
-            slots += [seq_slots, seq_slots[:1].expand(keys - ctx)]
+            table = meta.block_tables[i][:-(-ctx // bs)]
+            blocks += table + table[:1] * (width - len(table))
             rows += list(range(qsl[i], qsl[i + 1])) + [qsl[i]] * (n - new)
             index += range(i * n, i * n + new)
-        key_pos = torch.arange(keys, device=device)
+        key_pos = torch.arange(width * bs, device=device)
         ctx = torch.tensor(ctx_lens, device=device)
         new = torch.tensor(news, device=device)
         # query j of sequence i sits at position ctx_i - new_i + j (padding queries: clamped, unused)
         q_pos = torch.minimum((ctx - new)[:, None] + torch.arange(n, device=device)[None, :], (ctx - 1)[:, None])
         blocked = (key_pos[None, None, :] > q_pos[:, :, None]).unsqueeze(2)  # [B, n, 1, L]
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(as_tensor(rows), as_tensor(index), torch.cat(slots), blocked)
+        return cls(as_tensor(rows), as_tensor(index), as_tensor(blocks), blocked)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """Flattened [T, *shape] -> padded [B, n, *shape]."""
@@ -161,8 +163,7 @@ class DecodeBatch:
 
     def keys(self, cache: torch.Tensor) -> torch.Tensor:
         """Every sequence's context from a paged cache: [B, L, *per_token_shape]."""
-        flat = cache.view(-1, *cache.shape[2:]).index_select(0, self.key_slots)
-        return flat.view(self.num_seqs, self.num_keys, *cache.shape[2:])
+        return cache.index_select(0, self.key_blocks).view(self.num_seqs, self.num_keys, *cache.shape[2:])
 
     def softmax(self, scores: torch.Tensor, grouped: bool = False) -> torch.Tensor:
         """scores [B, n, heads, L] (grouped: [B, Hk, n, g, L]) -> probabilities, blocked keys at

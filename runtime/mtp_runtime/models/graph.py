@@ -16,6 +16,7 @@ start-up so a server is ready only once its graphs exist.
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any, Callable
 
 import torch
@@ -44,7 +45,7 @@ class GraphMode:
         # One graph for every batch size, sizes of 1 included (otherwise 1 compiles a graph of its own).
         torch.fx.experimental._config.backed_size_oblivious = True
         torch.fx.experimental._config.use_duck_shape = False  # equal sizes in one step need not stay equal
-        self._graph_forward = torch.compile(self._forward_eager, dynamic=True)
+        self._graph_forward = compile_method(self._forward_eager, dynamic=True)
 
     @property
     def graph_enabled(self) -> bool:
@@ -55,6 +56,22 @@ class GraphMode:
         if self._graph_forward is not None and meta.decode_batch() is not None:
             return self._graph_forward(*args)
         return self._forward_eager(*args)
+
+
+def compile_method(method: Callable[..., Any], dynamic: bool = False, cpp_wrapper: bool = False,
+                   backend: str = "inductor") -> Callable[..., Any]:
+    """torch.compile of a bound method, through a private copy of its function.
+
+    Dynamo keeps the graphs it compiles, and checks their guards, per code object. Without the copy,
+    every instance of a class (the engines of a benchmark or a test, in one process) would add its
+    graphs to one shared list, and each call would look through the graphs of all of them.
+    `cpp_wrapper`: inductor writes the code that calls the graph's kernels in C++ instead of Python
+    (for graphs with few dynamic sizes; with many, it compiles for minutes)."""
+    fn = method.__func__
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    options = {"cpp_wrapper": cpp_wrapper} if backend == "inductor" else None
+    return torch.compile(types.MethodType(own, method.__self__), dynamic=dynamic, backend=backend, options=options)
 
 
 def warm_up_shapes(k: int) -> list[tuple[list[int], list[int]]]:

@@ -243,11 +243,19 @@ def load_draft(model_dir: str | Path, main: CausalLM | None = None, dtype: torch
     _raise_missing(index, [prefix + (m[len("layer."):] if m.startswith("layer.") else m)
                            for m in _missing(draft, filled, tuple(skip))])
     draft = prepare_for_inference(to_working_dtype(draft, _dtype(dtype)).to(device).eval())
-    if "shared_head.head." in skip:
+    # DeepSeek-V3 and GLM train the MTP layer with the main model's output head and embedding, and
+    # their checkpoints store copies: share the main model's when they are equal (one copy in memory,
+    # and a step reads the head's weights twice from the same place).
+    if main is not None and ("shared_head.head." in skip or _same_weight(draft.shared_head.head, main.lm_head)):
         draft.use_main_head(main.lm_head)
-    if "embed_tokens." in skip:
+    if main is not None and ("embed_tokens." in skip or _same_weight(draft.embed_tokens, main.model.embed_tokens)):
         draft.use_main_embedding(main.model.embed_tokens)
     return draft
+
+
+def _same_weight(a: nn.Module, b: nn.Module) -> bool:
+    wa, wb = a.weight, b.weight
+    return wa.shape == wb.shape and wa.dtype == wb.dtype and wa.device == wb.device and torch.equal(wa, wb)
 
 
 def _draft_names(index: CheckpointIndex, config: ModelConfig) -> dict[str, str]:

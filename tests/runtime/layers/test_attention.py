@@ -59,7 +59,9 @@ def _per_sequence(meta, q, keys_cache, values_cache):
 def test_decode_batch_matches_per_sequence_attention_gqa():
     meta = _mixed_batch()
     batch = meta.decode_batch()
-    assert batch.num_seqs == 3 and batch.n == 3 and batch.num_keys == 9
+    # keys are read whole blocks at a time: the longest context (9) spans 3 blocks of 4
+    assert batch.num_seqs == 3 and batch.n == 3 and batch.num_keys == 12
+    assert batch.key_blocks.tolist() == [3, 0, 3, 1, 4, 6, 2, 2, 2]
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(7, 4, 2, 8, generator=gen), torch.randn(7, 4, 2, 6, generator=gen)
     q = torch.randn(6, 4, 8, generator=gen)  # 4 query heads over 2 kv heads

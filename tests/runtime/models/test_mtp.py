@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from mtp_runtime.checkpoint.draft_layout import draft_config, draft_name
 from mtp_runtime.layers.attention import AttentionMetadata
@@ -130,3 +130,36 @@ def test_missing_shared_head_falls_back_to_main_lm_head(tmp_path, tiny_writer):
         logits = draft.compute_logits(out)
     assert torch.isfinite(logits).all()
     assert torch.equal(logits, model.compute_logits(out))
+
+
+def _copy_main_head_into_mtp_layer(path) -> None:
+    """Rewrite the checkpoint so its MTP layer stores copies of the main head and embedding, as the
+    published DeepSeek-V3 checkpoints do."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = {shard: load_file(path / shard) for shard in set(index.values())}
+    copies = {"model.layers.3.shared_head.head.weight": "lm_head.weight",
+              "model.layers.3.embed_tokens.weight": "model.embed_tokens.weight"}
+    for dst, src in copies.items():
+        shards[index[dst]][dst] = shards[index[src]][src].clone()
+    for shard, tensors in shards.items():
+        save_file(tensors, path / shard, metadata={"format": "pt"})
+
+
+def test_mtp_head_and_embedding_equal_to_the_main_ones_are_shared(tmp_path, tiny_writer):
+    distinct = tiny_writer(tmp_path / "distinct", "deepseek_v3")
+    model = load_model(distinct)
+    draft = load_draft(distinct, model)
+    assert draft.shared_head.head is not model.lm_head and draft.embed_tokens is not model.model.embed_tokens
+
+    copied = tiny_writer(tmp_path / "copied", "deepseek_v3")
+    _copy_main_head_into_mtp_layer(copied)
+    model = load_model(copied)
+    draft = load_draft(copied, model)
+    assert draft.shared_head.head is model.lm_head and draft.embed_tokens is model.model.embed_tokens
+    unshared = load_draft(copied)  # no main model to share with: the draft keeps its own copies
+    ids = torch.randint(3, 512, (8,), generator=torch.Generator().manual_seed(9))
+    hidden = main_hidden(model, ids)[None, :-1]
+    with torch.no_grad():
+        a = draft.compute_logits(draft.forward_batched(ids[None, 1:], hidden))
+        b = unshared.compute_logits(unshared.forward_batched(ids[None, 1:], hidden))
+    assert torch.equal(a, b)
