@@ -6,14 +6,17 @@
 // is packed once, at load, into panels of 16 output features ([ceil(O/16), I, 16], zero-padded):
 // each panel is read once per group of up to 4 rows, and the 2 x 4 accumulators stay in registers.
 // Every row's sums run in the same order whatever the batch, so a token's logits do not depend on
-// which other tokens share its step.
+// which other tokens share its step. The same panels serve a MoE layer's routed experts
+// (moe_experts): each chosen expert's weights are read in place, for its tokens only.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -62,6 +65,33 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, const float* bi
   }
 }
 
+// y[rows, out_features] (row stride out_features) = x[rows, in_features] times the packed panels
+// [begin, end) of a weight (+ bias), each panel read once per group of up to kRows rows.
+void multiply_panels(const float* x, int64_t rows, int64_t in_features, const float* packed, int64_t out_features,
+                     const float* bias, float* y, int64_t begin, int64_t end) {
+  for (int64_t p = begin; p < end; ++p) {
+    const float* panel = packed + p * in_features * kPanel;
+    const int64_t col = p * kPanel;
+    const int64_t valid = std::min(kPanel, out_features - col);
+    const float* pb = bias != nullptr ? bias + col : nullptr;
+    for (int64_t r = 0; r < rows; r += kRows) {
+      const float* xr = x + r * in_features;
+      float* yr = y + r * out_features + col;
+      switch (std::min(kRows, rows - r)) {
+        case 4: panel_rows<4>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
+        case 3: panel_rows<3>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
+        case 2: panel_rows<2>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
+        default: panel_rows<1>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
+      }
+    }
+  }
+}
+
+// Panels per parallel task: at least ~64k multiply-adds each; smaller tasks run on the calling thread.
+int64_t grain_for(int64_t rows, int64_t in_features) {
+  return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * in_features * kPanel));
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
@@ -95,34 +125,106 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
     const int64_t panels = (out_features + kPanel - 1) / kPanel;
-    // A task of at least ~64k multiply-adds: smaller ones run on the calling thread.
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * in_features * kPanel));
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const float* panel = wp + p * in_features * kPanel;
-        const int64_t col = p * kPanel;
-        const int64_t valid = std::min(kPanel, out_features - col);
-        const float* pb = bp != nullptr ? bp + col : nullptr;
-        for (int64_t r = 0; r < rows; r += kRows) {
-          const float* xr = xp + r * in_features;
-          float* yr = yp + r * out_features + col;
-          switch (std::min(kRows, rows - r)) {
-            case 4: panel_rows<4>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
-            case 3: panel_rows<3>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
-            case 2: panel_rows<2>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
-            default: panel_rows<1>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
-          }
-        }
-      }
+    at::parallel_for(0, panels, grain_for(rows, in_features), [&](int64_t begin, int64_t end) {
+      multiply_panels(xp, rows, in_features, wp, out_features, bp, yp, begin, end);
     });
   }
   return y.view(shape);
+}
+
+// The routed experts of a MoE layer: out[t] = sum over t's chosen local experts e (ascending e) of
+// weight(t, e) * W2_e (silu(G_e x_t) * U_e x_t). Only the chosen experts' weights are read, each once
+// per group of up to kRows of its tokens, in place (no per-step copies of the chosen weights, no
+// product with the experts a token did not choose). w13 [E, panels, H, 16] holds each expert's gate
+// then up rows ([2I, H]) packed, w2 [E, panels, I, 16] its down projection ([H, I]); `first` is the
+// global id of local expert 0 (expert parallelism: other ids belong to other ranks and are skipped).
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
+                       const at::Tensor& w2, int64_t first) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "moe_experts: x must be a float32 CPU [tokens, hidden] tensor, got ", x.scalar_type(), " ",
+              x.sizes(), " on ", x.device());
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong,
+              "moe_experts: ids must be int64 [tokens, k] with ", x.size(0), " tokens, got ", ids.scalar_type(), " ",
+              ids.sizes());
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
+              "moe_experts: weights must be float32 shaped like ids ", ids.sizes(), ", got ",
+              weights.scalar_type(), " ", weights.sizes());
+  for (const at::Tensor* w : {&w13, &w2}) {
+    TORCH_CHECK(w->dim() == 4 && w->size(3) == kPanel && w->is_contiguous() && w->scalar_type() == at::kFloat,
+                "moe_experts: packed expert weights must be contiguous float32 [experts, panels, in_features, 16], "
+                "got ", w->sizes());
+  }
+  const int64_t tokens = x.size(0), hidden = x.size(1), topk = ids.size(1);
+  const int64_t experts = w13.size(0), inter = w2.size(2);
+  TORCH_CHECK(w13.size(2) == hidden && w2.size(0) == experts && w13.size(1) == (2 * inter + kPanel - 1) / kPanel &&
+                  w2.size(1) == (hidden + kPanel - 1) / kPanel,
+              "moe_experts: packed w13 ", w13.sizes(), " and w2 ", w2.sizes(), " do not fit hidden size ", hidden);
+  at::Tensor out = at::zeros({tokens, hidden}, x.options());
+  const at::Tensor input = x.contiguous(), route = ids.contiguous(), scale = weights.contiguous();
+  const int64_t* idp = route.data_ptr<int64_t>();
+  const float* sp = scale.data_ptr<float>();
+  // (token, weight) pairs sorted by local expert, tokens ascending within an expert.
+  std::vector<int64_t> start(experts + 1, 0);
+  for (int64_t i = 0; i < tokens * topk; ++i) {
+    const int64_t local = idp[i] - first;
+    if (local >= 0 && local < experts) ++start[local + 1];
+  }
+  int64_t most = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    most = std::max(most, start[e + 1]);
+    start[e + 1] += start[e];
+  }
+  if (most == 0) return out;
+  std::vector<int64_t> pair_token(start[experts]);
+  std::vector<float> pair_weight(start[experts]);
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < tokens * topk; ++i) {
+    const int64_t local = idp[i] - first;
+    if (local >= 0 && local < experts) {
+      pair_token[fill[local]] = i / topk;
+      pair_weight[fill[local]++] = sp[i];
+    }
+  }
+  std::vector<float> rows(most * hidden), gate_up(most * 2 * inter), act(most * inter), down(most * hidden);
+  const float* xp = input.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t p13 = w13.size(1), p2 = w2.size(1);
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t m = start[e + 1] - start[e];
+    if (m == 0) continue;
+    const int64_t* tok = pair_token.data() + start[e];
+    const float* wt = pair_weight.data() + start[e];
+    for (int64_t r = 0; r < m; ++r) std::memcpy(rows.data() + r * hidden, xp + tok[r] * hidden, hidden * sizeof(float));
+    const float* gu_panels = w13.data_ptr<float>() + e * p13 * hidden * kPanel;
+    at::parallel_for(0, p13, grain_for(m, hidden), [&](int64_t begin, int64_t end) {
+      multiply_panels(rows.data(), m, hidden, gu_panels, 2 * inter, nullptr, gate_up.data(), begin, end);
+    });
+    for (int64_t r = 0; r < m; ++r) {
+      const float* g = gate_up.data() + r * 2 * inter;
+      float* a = act.data() + r * inter;
+      for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.0f + std::exp(-g[j])) * g[inter + j];
+    }
+    const float* down_panels = w2.data_ptr<float>() + e * p2 * inter * kPanel;
+    at::parallel_for(0, p2, grain_for(m, inter), [&](int64_t begin, int64_t end) {
+      multiply_panels(act.data(), m, inter, down_panels, hidden, nullptr, down.data(), begin, end);
+    });
+    for (int64_t r = 0; r < m; ++r) {
+      float* o = op + tok[r] * hidden;
+      const float* d = down.data() + r * hidden;
+      for (int64_t j = 0; j < hidden; ++j) o[j] += wt[r] * d[j];
+    }
+  }
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(mtp_runtime, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2, int first) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mtp_runtime, CPU, m) { m.impl("packed_linear", &packed_linear); }
+TORCH_LIBRARY_IMPL(mtp_runtime, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("moe_experts", &moe_experts);
+}

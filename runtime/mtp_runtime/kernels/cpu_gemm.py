@@ -1,4 +1,4 @@
-"""Packed float32 linear for AVX2 CPUs (cpu_gemm.cpp), built on first use, with a fallback.
+"""Packed float32 linear and MoE experts for AVX2 CPUs (cpu_gemm.cpp), built on first use, with a fallback.
 
 `pack(weight)` returns the packed copy of a float32 CPU weight, or None where the kernel cannot run
 (another device or dtype, a CPU without AVX2/FMA, no C++ compiler, MTP_CPU_GEMM=0); `linear(x,
@@ -66,18 +66,46 @@ def _register_fake() -> None:
     def _(x, weight, packed, bias=None):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+    @torch.library.register_fake("mtp_runtime::moe_experts")
+    def _(x, weights, ids, w13, w2, first):
+        return x.new_empty(x.shape)
+
 
 def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
     """[O, I] float32 CPU weight -> [ceil(O/16), I, 16] panels (zero-padded), or None where the
     kernel does not apply (or there is no weight: an unfused layer's fused tensor)."""
-    if weight is None or weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.float32 \
-            or weight.numel() < MIN_PACKED_ELEMENTS or not available():
+    if weight is None or weight.dim() != 2 or weight.numel() < MIN_PACKED_ELEMENTS or not _packable(weight):
         return None
-    out_features, in_features = weight.shape
+    return _panels(weight)
+
+
+def pack_experts(weight: torch.Tensor) -> torch.Tensor | None:
+    """[E, O, I] float32 CPU expert weights -> [E, ceil(O/16), I, 16], each expert packed on its own,
+    or None where the kernel does not apply. No size floor: `moe_experts` replaces a whole routed-
+    expert block (routing on the host or weight copies), not one small product."""
+    if weight.dim() != 3 or not _packable(weight):
+        return None
+    return _panels(weight)
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and available()
+
+
+def _panels(weight: torch.Tensor) -> torch.Tensor:
+    """[..., O, I] -> [..., ceil(O/16), I, 16] (output features zero-padded to whole panels)."""
+    *lead, out_features, in_features = weight.shape
     panels = -(-out_features // PANEL)
-    padded = weight.new_zeros(panels * PANEL, in_features)
-    padded[:out_features] = weight.detach()
-    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+    padded = weight.new_zeros(*lead, panels * PANEL, in_features)
+    padded[..., :out_features, :] = weight.detach()
+    return padded.view(*lead, panels, PANEL, in_features).transpose(-1, -2).contiguous()
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                first: int) -> torch.Tensor:
+    """x [N, H] float32, routing weights/ids [N, k] -> sum of each token's chosen local experts [N, H];
+    w13/w2 from `pack_experts` (gate+up [E, 2I, H], down [E, H, I]), `first` the id of local expert 0."""
+    return torch.ops.mtp_runtime.moe_experts(x, weights.float(), ids, w13, w2, first)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -50,7 +50,7 @@ def test_keeps_leading_dimensions_and_reads_strided_inputs(pack_all):
 
 
 def test_packs_a_transposed_view(pack_all):
-    stacked = torch.randn(96, 32)  # the MoE dense path packs w2_stacked.t()
+    stacked = torch.randn(96, 32)
     packed = pack_all(stacked.t())
     act = torch.randn(4, 96)
     torch.testing.assert_close(cpu_gemm.linear(act, stacked.t(), None, packed), act @ stacked, rtol=1e-5, atol=1e-4)

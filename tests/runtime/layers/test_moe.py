@@ -1,5 +1,5 @@
-"""Routed experts: the gathered small-batch path (accelerators) and the host-routed path (CPU)
-compute what the per-expert loop computes."""
+"""Routed experts: the gathered small-batch path (accelerators), the host-routed path (CPU), the dense
+path and the packed CPU kernel compute what the per-expert loop computes."""
 
 import pytest
 import torch
@@ -57,18 +57,50 @@ def test_host_routed_token_with_no_local_expert_gets_zeros():
     assert torch.equal(experts._forward_host_routed(x, weights, ids), torch.zeros_like(x))
 
 
-@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("num_tokens,ep_rank", [(1, None), (5, None), (4, 1)])
-def test_dense_path_matches_per_expert_loop(num_tokens, ep_rank, packed, monkeypatch):
+def test_dense_path_matches_per_expert_loop(num_tokens, ep_rank):
     parallel = None if ep_rank is None else ParallelState(ep_rank=ep_rank, ep_size=2)
     experts, x, weights, ids = experts_and_routing(num_tokens, parallel, seed=2)
     experts.fuse_weights()
-    if packed:  # its two matmuls on the packed CPU kernel (kernels/cpu_gemm.py), as graph mode runs them
-        monkeypatch.setattr(cpu_gemm, "MIN_PACKED_ELEMENTS", 0)
-        experts.pack_weights()
-        assert experts.w13_packed is not None and experts.w2_packed is not None
     assert torch.allclose(experts._forward_dense(x, weights, ids),
                           experts._forward_per_expert(x, weights, ids), atol=1e-5)
+
+
+@pytest.fixture
+def kernel():
+    assert cpu_gemm.available(), "the packed kernel did not build on this x86-64 AVX2 machine"
+
+
+@pytest.mark.parametrize("num_tokens,ep_rank", [(1, None), (2, None), (5, None), (70, None), (4, 1)])
+def test_packed_kernel_matches_per_expert_loop(kernel, num_tokens, ep_rank):
+    parallel = None if ep_rank is None else ParallelState(ep_rank=ep_rank, ep_size=2)
+    experts, x, weights, ids = experts_and_routing(num_tokens, parallel, seed=2)
+    looped = experts._forward_per_expert(x, weights, ids)
+    experts.fuse_weights()
+    experts.pack_weights()
+    assert experts.w13_packed is not None and experts.w2_stacked is None  # the kernel replaces the dense path
+    out = experts(x, weights, ids)
+    assert torch.allclose(out, looped, atol=1e-5)
+    assert looped.abs().max() > 0
+    # a token's result does not depend on the other tokens of its step (verify rows == decode rows)
+    assert torch.equal(experts(x[:1], weights[:1], ids[:1]), out[:1])
+
+
+def test_packed_kernel_gives_zeros_to_tokens_with_no_local_expert(kernel):
+    experts, x, weights, ids = experts_and_routing(2, ParallelState(ep_rank=1, ep_size=2), seed=1)
+    experts.pack_weights()
+    ids = torch.tensor([[0, 1, 2], [4, 1, 2]])  # token 0: all on rank 0
+    out = experts(x, weights, ids)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1].abs().max() > 0
+
+
+def test_packed_kernel_rejects_mismatched_shapes(kernel):
+    experts, x, weights, ids = experts_and_routing(2)
+    experts.pack_weights()
+    with pytest.raises(RuntimeError, match="hidden size"):
+        cpu_gemm.moe_experts(x[:, :16], weights, ids, experts.w13_packed, experts.w2_packed, 0)
+    with pytest.raises(RuntimeError, match="ids must be int64"):
+        cpu_gemm.moe_experts(x, weights, ids[:1], experts.w13_packed, experts.w2_packed, 0)
 
 
 def test_gathered_path_skips_other_ranks_experts():
@@ -91,3 +123,18 @@ def test_forward_picks_the_path_by_device_and_size(monkeypatch):
     monkeypatch.setattr(moe, "GATHERED_MAX_PAIRS", ids.numel() - 1)
     experts(x, weights, ids)
     assert calls == ["host", "gathered", "loop"]
+
+
+def test_forward_takes_the_packed_kernel_eager_and_compiled(kernel, monkeypatch):
+    experts, x, weights, ids = experts_and_routing(3)
+    experts.pack_weights()
+    calls = []
+    for path in ("_forward_per_expert", "_forward_gathered", "_forward_host_routed", "_forward_dense"):
+        monkeypatch.setattr(RoutedExperts, path, lambda self, *a, path=path: calls.append(path))
+    with torch.no_grad():  # an inference kernel (no autograd formula), as loaded models run it
+        eager = experts(x, weights, ids)
+        compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)(x, weights, ids)
+        assert calls == [] and torch.equal(eager, compiled)
+        monkeypatch.setattr(moe, "PACKED_MAX_TOKENS", x.shape[0] - 1)  # a long prefill chunk, eager
+        experts(x, weights, ids)
+        assert calls == ["_forward_host_routed"]  # the eager CPU path without the kernel
