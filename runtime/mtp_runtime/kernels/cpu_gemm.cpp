@@ -132,14 +132,61 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at
   return y.view(shape);
 }
 
-// The routed experts of a MoE layer: out[t] = sum over t's chosen local experts e (ascending e) of
-// weight(t, e) * W2_e (silu(G_e x_t) * U_e x_t). Only the chosen experts' weights are read, each once
-// per group of up to kRows of its tokens, in place (no per-step copies of the chosen weights, no
-// product with the experts a token did not choose). w13 [E, panels, H, 16] holds each expert's gate
-// then up rows ([2I, H]) packed, w2 [E, panels, I, 16] its down projection ([H, I]); `first` is the
-// global id of local expert 0 (expert parallelism: other ids belong to other ranks and are skipped).
+// out[tok[r]] += wt[r] * W2 (silu(G x) * U x) for the m rows x[tok[r]], one expert: w13 its packed gate
+// then up rows ([2I, H] as panels), w2 its packed down projection ([H, I]). The buffers hold m rows.
+struct ExpertBuffers {
+  std::vector<float> rows, gate_up, act, down;
+};
+
+void add_expert(const float* x, int64_t hidden, const int64_t* tok, const float* wt, int64_t m, const float* w13,
+                const float* w2, int64_t inter, ExpertBuffers& buf, float* out) {
+  buf.rows.resize(m * hidden);
+  buf.gate_up.resize(m * 2 * inter);
+  buf.act.resize(m * inter);
+  buf.down.resize(m * hidden);
+  for (int64_t r = 0; r < m; ++r) std::memcpy(buf.rows.data() + r * hidden, x + tok[r] * hidden, hidden * sizeof(float));
+  const int64_t p13 = (2 * inter + kPanel - 1) / kPanel, p2 = (hidden + kPanel - 1) / kPanel;
+  at::parallel_for(0, p13, grain_for(m, hidden), [&](int64_t begin, int64_t end) {
+    multiply_panels(buf.rows.data(), m, hidden, w13, 2 * inter, nullptr, buf.gate_up.data(), begin, end);
+  });
+  for (int64_t r = 0; r < m; ++r) {
+    const float* g = buf.gate_up.data() + r * 2 * inter;
+    float* a = buf.act.data() + r * inter;
+    for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.0f + std::exp(-g[j])) * g[inter + j];
+  }
+  at::parallel_for(0, p2, grain_for(m, inter), [&](int64_t begin, int64_t end) {
+    multiply_panels(buf.act.data(), m, inter, w2, hidden, nullptr, buf.down.data(), begin, end);
+  });
+  for (int64_t r = 0; r < m; ++r) {
+    float* o = out + tok[r] * hidden;
+    const float* d = buf.down.data() + r * hidden;
+    for (int64_t j = 0; j < hidden; ++j) o[j] += wt[r] * d[j];
+  }
+}
+
+void check_packed_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t hidden, const char* what) {
+  for (const at::Tensor* w : {&w13, &w2}) {
+    TORCH_CHECK(w->dim() == 4 && w->size(3) == kPanel && w->is_contiguous() && w->scalar_type() == at::kFloat,
+                "moe_experts: packed ", what, " weights must be contiguous float32 [experts, panels, in_features, 16], "
+                "got ", w->sizes());
+  }
+  const int64_t inter = w2.size(2);
+  TORCH_CHECK(w13.size(2) == hidden && w2.size(0) == w13.size(0) && w13.size(1) == (2 * inter + kPanel - 1) / kPanel &&
+                  w2.size(1) == (hidden + kPanel - 1) / kPanel,
+              "moe_experts: packed ", what, " w13 ", w13.sizes(), " and w2 ", w2.sizes(), " do not fit hidden size ",
+              hidden);
+}
+
+// A MoE layer's experts: out[t] = sum over t's chosen local experts e (ascending e) of
+// weight(t, e) * W2_e (silu(G_e x_t) * U_e x_t), plus, if given, the shared expert's output for every
+// token (added last). Only the chosen experts' weights are read, each once per group of up to kRows of
+// its tokens, in place (no per-step copies of the chosen weights, no product with the experts a token
+// did not choose). w13 [E, panels, H, 16] holds each expert's gate then up rows ([2I, H]) packed, w2
+// [E, panels, I, 16] its down projection ([H, I]); the shared expert's are [1, ...] of its own width.
+// `first` is the global id of local expert 0 (expert parallelism: other ids belong to other ranks).
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
-                       const at::Tensor& w2, int64_t first) {
+                       const at::Tensor& w2, int64_t first, const c10::optional<at::Tensor>& shared_w13,
+                       const c10::optional<at::Tensor>& shared_w2) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "moe_experts: x must be a float32 CPU [tokens, hidden] tensor, got ", x.scalar_type(), " ",
               x.sizes(), " on ", x.device());
@@ -149,17 +196,18 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
               "moe_experts: weights must be float32 shaped like ids ", ids.sizes(), ", got ",
               weights.scalar_type(), " ", weights.sizes());
-  for (const at::Tensor* w : {&w13, &w2}) {
-    TORCH_CHECK(w->dim() == 4 && w->size(3) == kPanel && w->is_contiguous() && w->scalar_type() == at::kFloat,
-                "moe_experts: packed expert weights must be contiguous float32 [experts, panels, in_features, 16], "
-                "got ", w->sizes());
-  }
   const int64_t tokens = x.size(0), hidden = x.size(1), topk = ids.size(1);
+  check_packed_experts(w13, w2, hidden, "routed");
+  const bool shared = shared_w13.has_value() && shared_w13->defined();
+  TORCH_CHECK(shared == (shared_w2.has_value() && shared_w2->defined()),
+              "moe_experts: give both shared_w13 and shared_w2, or neither");
+  if (shared) {
+    check_packed_experts(*shared_w13, *shared_w2, hidden, "shared");
+    TORCH_CHECK(shared_w13->size(0) == 1, "moe_experts: one shared expert block, got ", shared_w13->size(0));
+  }
   const int64_t experts = w13.size(0), inter = w2.size(2);
-  TORCH_CHECK(w13.size(2) == hidden && w2.size(0) == experts && w13.size(1) == (2 * inter + kPanel - 1) / kPanel &&
-                  w2.size(1) == (hidden + kPanel - 1) / kPanel,
-              "moe_experts: packed w13 ", w13.sizes(), " and w2 ", w2.sizes(), " do not fit hidden size ", hidden);
   at::Tensor out = at::zeros({tokens, hidden}, x.options());
+  if (tokens == 0) return out;
   const at::Tensor input = x.contiguous(), route = ids.contiguous(), scale = weights.contiguous();
   const int64_t* idp = route.data_ptr<int64_t>();
   const float* sp = scale.data_ptr<float>();
@@ -169,12 +217,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
     const int64_t local = idp[i] - first;
     if (local >= 0 && local < experts) ++start[local + 1];
   }
-  int64_t most = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    most = std::max(most, start[e + 1]);
-    start[e + 1] += start[e];
-  }
-  if (most == 0) return out;
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
   std::vector<int64_t> pair_token(start[experts]);
   std::vector<float> pair_weight(start[experts]);
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
@@ -185,34 +228,22 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
       pair_weight[fill[local]++] = sp[i];
     }
   }
-  std::vector<float> rows(most * hidden), gate_up(most * 2 * inter), act(most * inter), down(most * hidden);
   const float* xp = input.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t p13 = w13.size(1), p2 = w2.size(1);
+  ExpertBuffers buf;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t m = start[e + 1] - start[e];
     if (m == 0) continue;
-    const int64_t* tok = pair_token.data() + start[e];
-    const float* wt = pair_weight.data() + start[e];
-    for (int64_t r = 0; r < m; ++r) std::memcpy(rows.data() + r * hidden, xp + tok[r] * hidden, hidden * sizeof(float));
-    const float* gu_panels = w13.data_ptr<float>() + e * p13 * hidden * kPanel;
-    at::parallel_for(0, p13, grain_for(m, hidden), [&](int64_t begin, int64_t end) {
-      multiply_panels(rows.data(), m, hidden, gu_panels, 2 * inter, nullptr, gate_up.data(), begin, end);
-    });
-    for (int64_t r = 0; r < m; ++r) {
-      const float* g = gate_up.data() + r * 2 * inter;
-      float* a = act.data() + r * inter;
-      for (int64_t j = 0; j < inter; ++j) a[j] = g[j] / (1.0f + std::exp(-g[j])) * g[inter + j];
-    }
-    const float* down_panels = w2.data_ptr<float>() + e * p2 * inter * kPanel;
-    at::parallel_for(0, p2, grain_for(m, inter), [&](int64_t begin, int64_t end) {
-      multiply_panels(act.data(), m, inter, down_panels, hidden, nullptr, down.data(), begin, end);
-    });
-    for (int64_t r = 0; r < m; ++r) {
-      float* o = op + tok[r] * hidden;
-      const float* d = down.data() + r * hidden;
-      for (int64_t j = 0; j < hidden; ++j) o[j] += wt[r] * d[j];
-    }
+    add_expert(xp, hidden, pair_token.data() + start[e], pair_weight.data() + start[e], m,
+               w13.data_ptr<float>() + e * w13.size(1) * hidden * kPanel,
+               w2.data_ptr<float>() + e * w2.size(1) * inter * kPanel, inter, buf, op);
+  }
+  if (shared) {
+    std::vector<int64_t> all(tokens);
+    for (int64_t t = 0; t < tokens; ++t) all[t] = t;
+    const std::vector<float> ones(tokens, 1.0f);
+    add_expert(xp, hidden, all.data(), ones.data(), tokens, shared_w13->data_ptr<float>(), shared_w2->data_ptr<float>(),
+               shared_w2->size(2), buf, op);
   }
   return out;
 }
@@ -221,7 +252,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
 
 TORCH_LIBRARY(mtp_runtime, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias=None) -> Tensor");
-  m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2, int first) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2, int first, "
+        "Tensor? shared_w13=None, Tensor? shared_w2=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtp_runtime, CPU, m) {

@@ -67,7 +67,7 @@ def _register_fake() -> None:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("mtp_runtime::moe_experts")
-    def _(x, weights, ids, w13, w2, first):
+    def _(x, weights, ids, w13, w2, first, shared_w13=None, shared_w2=None):
         return x.new_empty(x.shape)
 
 
@@ -102,10 +102,12 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                first: int) -> torch.Tensor:
-    """x [N, H] float32, routing weights/ids [N, k] -> sum of each token's chosen local experts [N, H];
-    w13/w2 from `pack_experts` (gate+up [E, 2I, H], down [E, H, I]), `first` the id of local expert 0."""
-    return torch.ops.mtp_runtime.moe_experts(x, weights.float(), ids, w13, w2, first)
+                first: int, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [N, H] float32, routing weights/ids [N, k] -> sum of each token's chosen local experts [N, H]
+    (plus the shared expert's output, if given); w13/w2 from `pack_experts` (gate+up [E, 2I, H], down
+    [E, H, I]; the shared expert's as E = 1), `first` the id of local expert 0."""
+    shared_w13, shared_w2 = shared if shared is not None else (None, None)
+    return torch.ops.mtp_runtime.moe_experts(x, weights.float(), ids, w13, w2, first, shared_w13, shared_w2)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -138,9 +138,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights/ids [N, k] -> weighted sum of this rank's experts [N, H]."""
-        if self.w13_packed is not None and (x.shape[0] <= PACKED_MAX_TOKENS or torch.compiler.is_compiling()):
-            # float32 on an AVX2 CPU: one kernel reads just the chosen experts' weights, in place.
-            return cpu_gemm.moe_experts(x, weights, ids, self.w13_packed, self.w2_packed, self.local.start)
+        if self.uses_kernel(x):
+            return self.kernel(x, weights, ids)
         if torch.compiler.is_compiling():
             # Up to twice as many (token, expert) pairs as local experts: copy just the chosen experts'
             # weights (measured faster on CPU); more: read every local expert once (the dense path),
@@ -154,6 +153,15 @@ class RoutedExperts(nn.Module):
         if ids.numel() <= GATHERED_MAX_PAIRS:
             return self._forward_gathered(x, weights, ids)
         return self._forward_per_expert(x, weights, ids)
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """float32 on an AVX2 CPU: one kernel reads just the chosen experts' weights, in place."""
+        return self.w13_packed is not None and (x.shape[0] <= PACKED_MAX_TOKENS or torch.compiler.is_compiling())
+
+    def kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """This rank's experts on the packed kernel (and the shared expert's packed weights, if given)."""
+        return cpu_gemm.moe_experts(x, weights, ids, self.w13_packed, self.w2_packed, self.local.start, shared)
 
     def _forward_gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Few tokens (decode, verify): copy each (token, expert) pair's weights and run all pairs in
@@ -250,11 +258,26 @@ class MoE(nn.Module):
             DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, parallel)
             if config.n_shared_experts else None
         )
+        # The shared expert's (this rank's shard of) gate/up and down weights packed for the experts'
+        # kernel call, set by pack_weights() where it runs.
+        self.shared_packed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def pack_weights(self) -> None:
+        shared = self.shared_experts
+        if shared is None or shared.gate_up is None or shared.down_proj.bias is not None:
+            return
+        w13 = cpu_gemm.pack_experts(shared.gate_up.detach()[None])
+        w2 = cpu_gemm.pack_experts(shared.down_proj.weight.detach()[None])
+        self.shared_packed = (w13, w2) if w13 is not None and w2 is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
+        if self.shared_packed is not None and self.experts.uses_kernel(flat):
+            # The shared expert rides in the routed experts' kernel call; its partial sum (tensor
+            # parallelism: this rank's slice of its intermediate) joins theirs in one all-reduce.
+            return self.parallel.all_reduce(self.experts.kernel(flat, weights, ids, self.shared_packed)).view(shape)
         out = self.parallel.all_reduce(self.experts(flat, weights, ids))
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

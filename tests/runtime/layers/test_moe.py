@@ -9,6 +9,7 @@ from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState
 from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers import moe
+from mtp_runtime.layers.linear import prepare_for_inference
 from mtp_runtime.layers.moe import RoutedExperts, TopkRouter
 
 
@@ -138,3 +139,32 @@ def test_forward_takes_the_packed_kernel_eager_and_compiled(kernel, monkeypatch)
         monkeypatch.setattr(moe, "PACKED_MAX_TOKENS", x.shape[0] - 1)  # a long prefill chunk, eager
         experts(x, weights, ids)
         assert calls == ["_forward_host_routed"]  # the eager CPU path without the kernel
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_moe_block_runs_its_shared_expert_in_the_kernel_call(kernel, num_tokens):
+    config = ModelConfig.from_dict(build_config("deepseek_v3", hidden_size=32, moe_intermediate_size=16,
+                                                n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                                n_shared_experts=2))
+    block = moe.MoE(config)
+    gen = torch.Generator().manual_seed(num_tokens)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        x = torch.randn(num_tokens, 32, generator=gen)
+        unpacked = block(x)
+        prepare_for_inference(block)
+        assert block.shared_packed is not None and block.experts.w13_packed is not None
+        calls = []
+        block.shared_experts.register_forward_hook(lambda *a: calls.append("shared MLP"))
+        packed = block(x)
+    assert calls == []  # the shared expert ran inside the kernel, not as its own MLP
+    assert torch.allclose(packed, unpacked, atol=1e-5) and unpacked.abs().max() > 0
+
+
+def test_kernel_wants_both_shared_weights_or_neither(kernel):
+    experts, x, weights, ids = experts_and_routing(2)
+    experts.pack_weights()
+    with pytest.raises(RuntimeError, match="both shared_w13 and shared_w2"):
+        torch.ops.mtp_runtime.moe_experts(x, weights, ids, experts.w13_packed, experts.w2_packed, 0,
+                                          experts.w13_packed[:1], None)
