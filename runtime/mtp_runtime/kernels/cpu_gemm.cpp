@@ -133,21 +133,26 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at
 }
 
 // out[tok[r]] += wt[r] * W2 (silu(G x) * U x) for the m rows x[tok[r]], one expert: w13 its packed gate
-// then up rows ([2I, H] as panels), w2 its packed down projection ([H, I]). The buffers hold m rows.
+// then up rows ([2I, H] as panels), w2 its packed down projection ([H, I]). tok == nullptr: every row of
+// x in order, read in place, each with weight 1 (the shared expert). The buffers hold m rows.
 struct ExpertBuffers {
   std::vector<float> rows, gate_up, act, down;
 };
 
 void add_expert(const float* x, int64_t hidden, const int64_t* tok, const float* wt, int64_t m, const float* w13,
                 const float* w2, int64_t inter, ExpertBuffers& buf, float* out) {
-  buf.rows.resize(m * hidden);
+  if (tok != nullptr) buf.rows.resize(m * hidden);
   buf.gate_up.resize(m * 2 * inter);
   buf.act.resize(m * inter);
   buf.down.resize(m * hidden);
-  for (int64_t r = 0; r < m; ++r) std::memcpy(buf.rows.data() + r * hidden, x + tok[r] * hidden, hidden * sizeof(float));
+  const float* rows = x;
+  if (tok != nullptr) {
+    for (int64_t r = 0; r < m; ++r) std::memcpy(buf.rows.data() + r * hidden, x + tok[r] * hidden, hidden * sizeof(float));
+    rows = buf.rows.data();
+  }
   const int64_t p13 = (2 * inter + kPanel - 1) / kPanel, p2 = (hidden + kPanel - 1) / kPanel;
   at::parallel_for(0, p13, grain_for(m, hidden), [&](int64_t begin, int64_t end) {
-    multiply_panels(buf.rows.data(), m, hidden, w13, 2 * inter, nullptr, buf.gate_up.data(), begin, end);
+    multiply_panels(rows, m, hidden, w13, 2 * inter, nullptr, buf.gate_up.data(), begin, end);
   });
   for (int64_t r = 0; r < m; ++r) {
     const float* g = buf.gate_up.data() + r * 2 * inter;
@@ -158,9 +163,14 @@ void add_expert(const float* x, int64_t hidden, const int64_t* tok, const float*
     multiply_panels(buf.act.data(), m, inter, w2, hidden, nullptr, buf.down.data(), begin, end);
   });
   for (int64_t r = 0; r < m; ++r) {
-    float* o = out + tok[r] * hidden;
     const float* d = buf.down.data() + r * hidden;
-    for (int64_t j = 0; j < hidden; ++j) o[j] += wt[r] * d[j];
+    if (tok == nullptr) {
+      float* o = out + r * hidden;
+      for (int64_t j = 0; j < hidden; ++j) o[j] += d[j];
+    } else {
+      float* o = out + tok[r] * hidden;
+      for (int64_t j = 0; j < hidden; ++j) o[j] += wt[r] * d[j];
+    }
   }
 }
 
@@ -239,10 +249,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
                w2.data_ptr<float>() + e * w2.size(1) * inter * kPanel, inter, buf, op);
   }
   if (shared) {
-    std::vector<int64_t> all(tokens);
-    for (int64_t t = 0; t < tokens; ++t) all[t] = t;
-    const std::vector<float> ones(tokens, 1.0f);
-    add_expert(xp, hidden, all.data(), ones.data(), tokens, shared_w13->data_ptr<float>(), shared_w2->data_ptr<float>(),
+    add_expert(xp, hidden, nullptr, nullptr, tokens, shared_w13->data_ptr<float>(), shared_w2->data_ptr<float>(),
                shared_w2->size(2), buf, op);
   }
   return out;

@@ -127,9 +127,9 @@ def fuse_linears(*linears: LinearBase) -> tuple[torch.Tensor, torch.Tensor | Non
 def prepare_for_inference(module: nn.Module) -> nn.Module:
     """After loading, on the final device and dtype: let every submodule that can fuse its weights
     do so (see `fuse_linears`), then pack the weights its matmuls read (kernels/cpu_gemm.py; a no-op
-    off float32 CPUs)."""
-    for step in ("fuse_weights", "pack_weights"):
-        for sub in module.modules():
+    off float32 CPUs). Packing runs children first, so a block sees what its parts packed."""
+    for step, subs in (("fuse_weights", list(module.modules())), ("pack_weights", reversed(list(module.modules())))):
+        for sub in subs:
             method = getattr(sub, step, None)
             if method is not None:
                 method()

@@ -263,12 +263,20 @@ class MoE(nn.Module):
         self.shared_packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pack_weights(self) -> None:
+        """Runs after the experts packed theirs (prepare_for_inference packs children first)."""
         shared = self.shared_experts
-        if shared is None or shared.gate_up is None or shared.down_proj.bias is not None:
+        if shared is None or self.experts.w13_packed is None or shared.gate_up is None \
+                or shared.down_proj.bias is not None:
             return
         w13 = cpu_gemm.pack_experts(shared.gate_up.detach()[None])
         w2 = cpu_gemm.pack_experts(shared.down_proj.weight.detach()[None])
-        self.shared_packed = (w13, w2) if w13 is not None and w2 is not None else None
+        if w13 is None or w2 is None:
+            return
+        self.shared_packed = (w13, w2)
+        # The shared MLP now runs on its own only for eager chunks over PACKED_MAX_TOKENS, where its
+        # packed linears would hand over to at::linear anyway: drop their copies.
+        shared.gate_up_packed = None
+        shared.down_proj.weight_packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
