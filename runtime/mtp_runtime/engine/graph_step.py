@@ -90,20 +90,27 @@ class GreedyDecodeStep:
         token, then the drafts) and its block table padded to `width` blocks."""
         return [cached, *tokens, *table, *[0] * (width - len(table))]
 
+    def _verify(self, plan: torch.Tensor, main_caches: list):
+        """Step 1 (module docstring): the main forward over every sequence's k+1 positions, argmax tokens."""
+        n = self.k + 1
+        cached, tokens, tables = plan[:, 0], plan[:, 1:1 + n], plan[:, 1 + n:]
+        positions = cached.unsqueeze(1) + torch.arange(n, device=plan.device)  # [B, n]
+        key_pos = torch.arange(tables.shape[1] * self.block_size, device=plan.device)  # every slot the tables reach
+        meta = _metadata(tables, positions, key_pos, self.block_size)
+        hidden = self.main._forward_eager(tokens.flatten(), positions.flatten(), main_caches, meta)
+        targets = self.main.compute_logits(hidden).argmax(-1).view(plan.shape[0], n)
+        return targets, hidden, positions, key_pos, meta
+
     def _step(self, plan: torch.Tensor, main_caches: list, draft_caches: list):
         """plan [B, 1 + (k+1) + M] (rows from `plan`) -> (targets [B, k+1], accepted [B], drafts [B, k])."""
         bs, k = self.block_size, self.k
         n = k + 1
+        targets, hidden, positions, key_pos, meta = self._verify(plan, main_caches)
+        if not k:
+            return targets, None, None
         cached, tokens, tables = plan[:, 0], plan[:, 1:1 + n], plan[:, 1 + n:]
         b = plan.shape[0]
         device = plan.device
-        positions = cached.unsqueeze(1) + torch.arange(n, device=device)  # [B, n]
-        key_pos = torch.arange(tables.shape[1] * bs, device=device)  # every slot the tables reach
-        meta = _metadata(tables, positions, key_pos, bs)
-        hidden = self.main._forward_eager(tokens.flatten(), positions.flatten(), main_caches, meta)
-        targets = self.main.compute_logits(hidden).argmax(-1).view(b, n)
-        if not k:
-            return targets, None, None
         accepted = greedy_verify(targets, tokens[:, 1:])  # [B]
         out = self.draft._forward_eager(targets.flatten(), hidden, positions.flatten(), draft_caches, meta)
         h = out.view(b, n, -1)[torch.arange(b, device=device), accepted]  # [B, H] at the last final position
