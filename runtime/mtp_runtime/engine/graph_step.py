@@ -90,10 +90,15 @@ class GreedyDecodeStep:
         token, then the drafts) and its block table padded to `width` blocks."""
         return [cached, *tokens, *table, *[0] * (width - len(table))]
 
+    def _split(self, plan: torch.Tensor):
+        """plan rows -> cached lengths [B], the k+1 tokens [B, k+1], block tables [B, M] (views)."""
+        n = self.k + 1
+        return plan[:, 0], plan[:, 1:1 + n], plan[:, 1 + n:]
+
     def _verify(self, plan: torch.Tensor, main_caches: list):
         """Step 1 (module docstring): the main forward over every sequence's k+1 positions, argmax tokens."""
         n = self.k + 1
-        cached, tokens, tables = plan[:, 0], plan[:, 1:1 + n], plan[:, 1 + n:]
+        cached, tokens, tables = self._split(plan)
         positions = cached.unsqueeze(1) + torch.arange(n, device=plan.device)  # [B, n]
         key_pos = torch.arange(tables.shape[1] * self.block_size, device=plan.device)  # every slot the tables reach
         meta = _metadata(tables, positions, key_pos, self.block_size)
@@ -108,7 +113,7 @@ class GreedyDecodeStep:
         targets, hidden, positions, key_pos, meta = self._verify(plan, main_caches)
         if not k:
             return targets, None, None
-        cached, tokens, tables = plan[:, 0], plan[:, 1:1 + n], plan[:, 1 + n:]
+        cached, tokens, tables = self._split(plan)
         b = plan.shape[0]
         device = plan.device
         accepted = greedy_verify(targets, tokens[:, 1:])  # [B]
