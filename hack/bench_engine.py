@@ -13,6 +13,13 @@ Writes results.json, results.md and speedup.png into OUT_DIR.
 With --enable-graph our engine runs in graph mode (decode steps compiled, as
 `mtp serve --enable_graph`), and an eager k=0 runs alongside for reference;
 the compile time at start-up is reported, not counted in tokens/s.
+
+Each system runs in a process of its own, as a deployment runs one engine per
+process (engines sharing one process share the compiler's caches, the
+allocator and the CPU caches, and their timings drifted with the order they
+were built in). The processes start together and then take turns: one
+measures while the others wait, idle, for their next turn. Figures are
+medians over the repeats.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import argparse
 import cProfile
 import io
 import json
+import multiprocessing
 import pstats
+import statistics
 import time
 from pathlib import Path
 
@@ -49,11 +58,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--train-seq-len", type=int, default=None, help="default: make-tiny's")
     p.add_argument("--train-threads", type=int, default=None,
                    help="default: make-tiny's (part of its cache key: match an earlier build to reuse it)")
+    p.add_argument("--distill-steps", type=int, default=None, help="MTP self-distillation; default: the preset's")
     p.add_argument("--ks", default="0,1,2,3")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="best of N runs per point")
+    p.add_argument("--repeats", type=int, default=5, help="runs per point (the median is reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads, the same for every system")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--enable-graph", action="store_true", help="our engine in graph mode (torch.compile)")
@@ -113,25 +123,71 @@ class TransformersSystem:
         return {"token_ids": outs}
 
 
+def _serve_system(conn, kind: str, args: tuple, threads: int) -> None:
+    """Worker process: build one system, then run what the driver sends until it sends None."""
+    torch.set_num_threads(threads)
+    try:
+        system = TransformersSystem(*args) if kind == "transformers" else EngineSystem(*args)
+    except BaseException as exc:  # reported by the driver, which stops the run
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", getattr(system, "compile_s", 0.0)))
+    while (job := conn.recv()) is not None:
+        prompts, max_tokens = job
+        start = time.perf_counter()
+        outs = system.run(prompts, max_tokens)
+        seconds = time.perf_counter() - start
+        conn.send((seconds, system.point(outs, seconds, max_tokens)))
+
+
+class IsolatedSystem:
+    """A system in a process of its own (module docstring)."""
+
+    def __init__(self, name: str, kind: str, args: tuple, threads: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve_system, args=(child, kind, args, threads), daemon=True)
+        self.process.start()
+        self.compile_s = 0.0
+
+    def wait_ready(self) -> None:
+        status, value = self.conn.recv()
+        if status == "error":
+            raise SystemExit(f"{self.name}: failed to start: {value}")
+        self.compile_s = value
+
+    def timed_run(self, prompts, max_tokens: int) -> tuple[float, dict]:
+        self.conn.send((prompts, max_tokens))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
 def measure(systems: dict, prompts, batches, max_tokens: int, repeats: int) -> dict:
-    """Best of `repeats` wall times per system and batch. Systems take turns within each
+    """Median of `repeats` wall times per system and batch. Systems take turns within each
     repeat, so load changes on the machine hit all of them alike."""
     for system in systems.values():
-        system.run(prompts[:2], 8)  # warm-up
+        system.timed_run(prompts[:2], 8)  # warm-up
     results = {name: {} for name in systems}
     for b in batches:
-        best = {name: float("inf") for name in systems}
+        samples = {name: [] for name in systems}
         for _ in range(repeats):
             for name, system in systems.items():
-                start = time.perf_counter()
-                outs = system.run(prompts[:b], max_tokens)
-                seconds = time.perf_counter() - start
-                if seconds < best[name]:
-                    best[name] = seconds
-                    results[name][b] = system.point(outs, seconds, max_tokens)
+                seconds, point = system.timed_run(prompts[:b], max_tokens)
+                samples[name].append(seconds)
+                results[name][b] = point
         for name in systems:
-            results[name][b].update(seconds=best[name], tokens_per_s=b * max_tokens / best[name],
-                                    tpot_ms=1e3 * best[name] / max_tokens)
+            seconds = statistics.median(samples[name])
+            results[name][b].update(seconds=seconds, seconds_samples=samples[name],
+                                    tokens_per_s=b * max_tokens / seconds, tpot_ms=1e3 * seconds / max_tokens)
         print(b, {name: round(results[name][b]["tokens_per_s"], 1) for name in systems}, flush=True)
     return results
 
@@ -227,18 +283,26 @@ def main() -> None:
         model_dir = build_model(arch, args.out_dir, {"--train-steps": args.train_steps,
                                                      "--train-batch": args.train_batch,
                                                      "--train-seq-len": args.train_seq_len,
-                                                     "--train-threads": args.train_threads})
+                                                     "--train-threads": args.train_threads,
+                                                     "--distill-steps": args.distill_steps})
         prompts = build_prompts(load_tokenizer(model_dir), max(batches), args.prompt_len, seed=0)
-        runners = {} if args.no_transformers else {"transformers": TransformersSystem(model_dir)}
         max_model_len = args.prompt_len + args.max_tokens + 8
+        specs = {} if args.no_transformers else {"transformers": ("transformers", (model_dir,))}
         if args.enable_graph:
-            runners["k=0 eager"] = EngineSystem(model_dir, 0, max_model_len, max(batches))
-        runners.update({f"k={k}": EngineSystem(model_dir, k, max_model_len, max(batches), args.enable_graph)
-                        for k in ks})
-        compile_s = {name: round(r.compile_s, 1) for name, r in runners.items() if getattr(r, "compile_s", 0)}
-        print(f"{arch}: graph compile seconds at start-up {compile_s}", flush=True)
-        systems = measure(runners, prompts, batches, args.max_tokens, args.repeats)
-        del runners
+            specs["k=0 eager"] = ("engine", (model_dir, 0, max_model_len, max(batches)))
+        specs.update({f"k={k}": ("engine", (model_dir, k, max_model_len, max(batches), args.enable_graph))
+                      for k in ks})
+        runners = {name: IsolatedSystem(name, kind, sargs, args.threads) for name, (kind, sargs) in specs.items()}
+        try:
+            for runner in runners.values():
+                runner.wait_ready()
+            compile_s = {name: round(r.compile_s, 1) for name, r in runners.items() if r.compile_s}
+            print(f"{arch}: graph compile seconds at start-up, processes starting together {compile_s}",
+                  flush=True)
+            systems = measure(runners, prompts, batches, args.max_tokens, args.repeats)
+        finally:
+            for runner in runners.values():
+                runner.close()
         summary = summarize(systems, ks, batches)
         if "k=0 eager" in systems:
             summary["ratios"]["k0_graph_over_eager_by_batch"] = {

@@ -6,6 +6,15 @@ of token t+1 (DeepSeek-V3's MTP objective). The draft shares the main model's
 embedding and lm_head while training; the checkpoint stores copies, as the
 published ones do. Runs are deterministic for a seed (fixed thread count,
 seeded data order) and cached by a hash of everything that shapes the result.
+
+Then, with `distill_steps`, self-distillation of the MTP layer: the main model,
+now frozen, continues training prompts greedily (through the runtime's own
+paged-cache forward), and the draft's own weights learn to predict those
+continuations: at a generated position t it sees main's hidden at t and token
+t+1, both exactly what a greedy speculative step gives it, and its target is
+main's own next token. Serving verifies drafts against the main model's
+choices, not against text, so this is the objective acceptance measures; the
+shared embedding and head stay untouched (the main model does not change).
 """
 
 from __future__ import annotations
@@ -61,16 +70,28 @@ class TrainOptions:
     # Part of the recipe: float sums, and so the weights, can differ with the thread count.
     # One thread suits small models and busy machines; the benchmark model uses two.
     threads: int = 1
+    # self-distillation of the MTP layer on the main model's greedy continuations (module docstring)
+    distill_steps: int = 0
+    distill_prompts: int = 256
+    distill_prompt_len: int = 32
+    distill_tokens: int = 96
+    distill_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "batch", "corpus_bytes", "threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--train-{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.mtp_loss_weight < 0:
-            raise ValueError(f"--mtp-loss-weight must be >= 0, got {self.mtp_loss_weight}")
+        for name in ("distill_prompts", "distill_prompt_len", "distill_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TrainOptions.{name} must be positive, got {getattr(self, name)}")
+        if self.distill_steps < 0:
+            raise ValueError(f"--distill-steps must be >= 0, got {self.distill_steps}")
+        for name in ("mtp_loss_weight", "distill_lr"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
 
 
-BENCH_TRAIN = TrainOptions(steps=300, threads=2)
+BENCH_TRAIN = TrainOptions(steps=300, threads=2, distill_steps=300)
 _ARCH_ONLY_SIZES = {"deepseek_v32": ("index_topk", "index_n_heads", "index_head_dim"), "glm4_moe": ("head_dim",)}
 _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -121,12 +142,13 @@ def joint_loss(model: CausalLM, draft: MtpDraft, window: torch.Tensor, mtp_loss_
     return main_ce + mtp_loss_weight * mtp_ce, main_ce.item(), mtp_ce.item()
 
 
-def learning_rate(step: int, opts: TrainOptions) -> float:
-    warmup = max(1, opts.steps // 20)
+def learning_rate(step: int, steps: int, peak: float) -> float:
+    """Linear warm-up over the first 5% of the steps, then cosine decay to 10% of `peak`."""
+    warmup = max(1, steps // 20)
     if step < warmup:
-        return opts.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, opts.steps - warmup)
-    return opts.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def balance_experts(model: nn.Module) -> None:
@@ -142,7 +164,10 @@ def train(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: TrainOption
     threads = torch.get_num_threads()
     torch.set_num_threads(opts.threads)
     try:
-        return _train(model, draft, ids, opts, log)
+        losses = _train(model, draft, ids, opts, log)
+        if opts.distill_steps:
+            losses += distill_draft(model, draft, ids, opts, log)
+        return losses
     finally:
         torch.set_num_threads(threads)
 
@@ -160,7 +185,7 @@ def _train(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: TrainOptio
         offsets = torch.randint(0, ids.numel() - opts.seq_len - 2, (opts.batch,), generator=order)
         window = torch.stack([ids[o:o + opts.seq_len + 2] for o in offsets.tolist()])
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, opts)
+            group["lr"] = learning_rate(step, opts.steps, opts.lr)
         loss, main_ce, mtp_ce = joint_loss(model, draft, window, opts.mtp_loss_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -173,6 +198,93 @@ def _train(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: TrainOptio
             log(f"step {step + 1}/{opts.steps} loss {loss.item():.3f} (main {main_ce:.3f}, mtp {mtp_ce:.3f}) "
                 f"{time.monotonic() - start:.0f}s")
     model.eval(), draft.eval()
+    return losses
+
+
+@torch.no_grad()
+def greedy_continuations(model: CausalLM, prompts: torch.Tensor, max_tokens: int, rows: int = 32,
+                         block_size: int = 16) -> torch.Tensor:
+    """prompts [N, P] -> [N, P + max_tokens]: each prompt and the main model's greedy continuation,
+    `rows` sequences at a time through the paged-cache forward (prefill, then one token a step)."""
+    from mtp_runtime.engine.model_runner import allocate_caches
+    from mtp_runtime.layers.attention import AttentionMetadata
+
+    dtype = model.lm_head.weight.dtype
+    device = model.lm_head.weight.device
+    prompt_len, total = prompts.shape[1], prompts.shape[1] + max_tokens
+    per_seq = -(-total // block_size)
+    out = []
+    for chunk in prompts.split(rows):
+        n = chunk.shape[0]
+        caches = allocate_caches(model.kv_cache_spec(), n * per_seq, block_size, dtype, device)
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
+
+        def forward(ids: torch.Tensor, start: int) -> torch.Tensor:
+            """ids [n, m] at positions start..start+m-1 of every sequence -> hidden of each last one [n, H]."""
+            m = ids.shape[1]
+            positions = torch.arange(start, start + m, device=device)
+            slots = torch.stack([positions + i * per_seq * block_size for i in range(n)]).flatten()
+            meta = AttentionMetadata(list(range(0, n * m + 1, m)), [start + m] * n, tables, slots, block_size)
+            hidden = model(ids.flatten().to(device), positions.repeat(n), caches, meta)
+            return hidden.view(n, m, -1)[:, -1]
+
+        seqs = [chunk]
+        token = model.compute_logits(forward(chunk, 0)).argmax(-1, keepdim=True).cpu()
+        for step in range(max_tokens):
+            seqs.append(token)
+            if step + 1 < max_tokens:
+                token = model.compute_logits(forward(token, prompt_len + step)).argmax(-1, keepdim=True).cpu()
+        out.append(torch.cat(seqs, dim=1))
+    return torch.cat(out)
+
+
+def distill_draft(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: TrainOptions,
+                  log: Callable[[str], None] | None = None) -> list[float]:
+    """Self-distillation of the draft (module docstring); returns the loss of every step."""
+    order = torch.Generator().manual_seed(opts.seed + 1)
+    prompt_len = opts.distill_prompt_len
+    if ids.numel() < prompt_len + 1:
+        raise ValueError(f"corpus has {ids.numel()} tokens, fewer than one distillation prompt ({prompt_len})")
+    offsets = torch.randint(0, ids.numel() - prompt_len, (opts.distill_prompts,), generator=order)
+    model.eval(), draft.eval()
+    start = time.monotonic()
+    data = greedy_continuations(model, torch.stack([ids[o:o + prompt_len] for o in offsets.tolist()]),
+                                opts.distill_tokens)
+    if log:
+        log(f"distillation: {data.shape[0]} greedy continuations of {opts.distill_tokens} tokens "
+            f"in {time.monotonic() - start:.0f}s")
+    shared = {id(p) for p in model.parameters()}
+    params = [p for p in draft.parameters() if id(p) not in shared]
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    optimizer = torch.optim.AdamW(params, lr=opts.distill_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    span = data.shape[1] - 2  # the draft at t reads token t+1 and predicts token t+2
+    generated = slice(prompt_len - 1, span)  # positions whose input and target tokens main generated
+    losses = []
+    draft.train()
+    try:
+        for step in range(opts.distill_steps):
+            window = data[torch.randint(0, data.shape[0], (opts.batch,), generator=order)]
+            with torch.no_grad():
+                hidden = model.forward_batched(window[:, :span])
+            draft_hidden = draft.forward_batched(window[:, 1:span + 1], hidden)[:, generated]
+            loss = F.cross_entropy(draft.compute_logits(draft_hidden).flatten(0, 1),
+                                   window[:, 2:][:, generated].flatten())
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, opts.distill_steps, opts.distill_lr)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+            if log and (step % 25 == 0 or step == opts.distill_steps - 1):
+                log(f"distill step {step + 1}/{opts.distill_steps} mtp loss {loss.item():.3f} "
+                    f"{time.monotonic() - start:.0f}s")
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        draft.eval()
     return losses
 
 

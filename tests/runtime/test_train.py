@@ -86,3 +86,69 @@ def test_bench_preset_shape():
         assert config["num_hidden_layers"] >= 8 and 4096 <= config["vocab_size"] <= 16384
         assert config["n_routed_experts"] > 1 and config["first_k_dense_replace"] < config["num_hidden_layers"]
 
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_greedy_continuations_match_the_reference_loop(arch):
+    from mtp_runtime.reference_generate import generate
+
+    model, _ = train.build_for_training(build_config(arch, **SIZES), seed=0)
+    model.eval()
+    ids = train.corpus_ids(build_tokenizer(512), "train", OPTS.corpus_bytes)
+    prompts = torch.stack([ids[i * 50:i * 50 + 9] for i in range(3)])
+    out = train.greedy_continuations(model, prompts, 7, rows=2, block_size=4)  # 2 batches, 4 blocks a sequence
+    assert out.shape == (3, 16) and torch.equal(out[:, :9], prompts)
+    for row, prompt in zip(out, prompts):
+        assert row[9:].tolist() == generate(model, prompt.tolist(), 7).token_ids
+
+
+def _agreement(model, draft, data: torch.Tensor, prompt_len: int) -> float:
+    """Share of generated positions where the draft's greedy token is the main model's next token."""
+    with torch.no_grad():
+        span = data.shape[1] - 2
+        hidden = model.forward_batched(data[:, :span])
+        guess = draft.compute_logits(draft.forward_batched(data[:, 1:span + 1], hidden)).argmax(-1)
+    return (guess == data[:, 2:])[:, prompt_len - 1:].float().mean().item()
+
+
+def test_distillation_trains_the_draft_on_main_continuations_and_leaves_main_alone():
+    config = build_config("deepseek_v3", **SIZES)
+    model, draft = train.build_for_training(config, seed=0)
+    ids = train.corpus_ids(build_tokenizer(512), "train", OPTS.corpus_bytes)
+    train.train(model, draft, ids, OPTS)
+    opts = train.TrainOptions(**{**OPTS.__dict__, "distill_steps": 40, "distill_prompts": 16,
+                                 "distill_prompt_len": 8, "distill_tokens": 24})
+    main_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = [p.requires_grad for p in model.parameters()]
+    shared = {id(p) for p in model.parameters()}
+    own_before = {n: p.detach().clone() for n, p in draft.named_parameters() if id(p) not in shared}
+    held_out = train.greedy_continuations(model, torch.stack([ids[-(i + 1) * 40:][:8] for i in range(8)]), 24)
+    before = _agreement(model, draft, held_out, 8)
+    losses = train.distill_draft(model, draft, ids, opts)
+    assert len(losses) == 40 and sum(losses[-5:]) < sum(losses[:5])
+    assert all(torch.equal(p, main_before[n]) for n, p in model.named_parameters())  # head and embedding too
+    assert [p.requires_grad for p in model.parameters()] == trainable  # unfrozen again for whoever trains next
+    changed = [n for n, p in draft.named_parameters() if n in own_before and not torch.equal(p, own_before[n])]
+    assert "eh_proj.weight" in changed and len(changed) > len(own_before) // 2
+    assert _agreement(model, draft, held_out, 8) > before + 0.05
+
+
+def test_distill_options():
+    with pytest.raises(ValueError, match="--distill-steps must be >= 0"):
+        train.TrainOptions(steps=1, distill_steps=-1)
+    with pytest.raises(ValueError, match="TrainOptions.distill_tokens must be positive"):
+        train.TrainOptions(steps=1, distill_tokens=0)
+    assert train.BENCH_TRAIN.distill_steps > 0
+    config, tok = build_config("deepseek_v3", **SIZES), build_tokenizer(512)
+    assert train.cache_key(config, tok, OPTS, 1, False) != train.cache_key(
+        config, tok, train.TrainOptions(**{**OPTS.__dict__, "distill_steps": 5}), 1, False)
+
+
+def test_make_tiny_distill_steps(cache_dir, tmp_path, capsys):
+    args = ["make-tiny", "--arch", "glm4_moe", "--out", str(tmp_path / "d"), "--train-steps", "2",
+            "--train-seq-len", "16", "--train-batch", "2", "--vocab-size", "512", "--hidden-size", "32",
+            "--num-hidden-layers", "2", "--distill-steps", "2"]
+    assert mtp_main(args) == 0
+    assert "trained 2 steps + 2 MTP distillation steps" in capsys.readouterr().out
+    assert mtp_main(args[:-1] + ["-1", "--force"]) == 1
+    assert "--distill-steps must be >= 0" in capsys.readouterr().err

@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--mtp-loss-weight", type=float, default=0.3, help="lambda of the MTP loss")
     train.add_argument("--train-threads", type=int, default=None,
                        help="torch threads for training (part of the cache key; default 2 for --preset bench, else 1)")
+    train.add_argument("--distill-steps", type=int, default=None,
+                       help="after training, N steps of MTP self-distillation on the main model's greedy "
+                            "continuations (default 300 for --preset bench, else 0)")
 
 
 def size_overrides(args: argparse.Namespace) -> dict:
@@ -107,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
             opts = train.TrainOptions(steps=steps, seq_len=args.train_seq_len, batch=args.train_batch,
                                       mtp_loss_weight=args.mtp_loss_weight, seed=args.seed,
                                       threads=args.train_threads or (
-                                          train.BENCH_TRAIN.threads if args.preset == "bench" else 1))
+                                          train.BENCH_TRAIN.threads if args.preset == "bench" else 1),
+                                      distill_steps=args.distill_steps if args.distill_steps is not None else (
+                                          train.BENCH_TRAIN.distill_steps if args.preset == "bench" else 0))
             cached = train.trained_checkpoint(config, tokenizer_dir, opts, args.shards, args.fp8, train.stderr_log)
             train.copy_checkpoint(cached, args.out, overwrite=args.force)
         else:
@@ -119,5 +124,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.out}: {args.arch} checkpoint, {config['num_hidden_layers']} layers + "
           f"{config['num_nextn_predict_layers']} MTP, vocab {config['vocab_size']}"
           f"{', fp8' if args.fp8 else ''}, {args.shards} shard(s)"
-          f"{f', trained {steps} steps' if steps else ''}")
+          f"{f', trained {steps} steps' if steps else ''}"
+          f"{f' + {opts.distill_steps} MTP distillation steps' if steps and opts.distill_steps else ''}")
     return 0
