@@ -19,13 +19,14 @@ shared embedding and head stay untouched (the main model does not change).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -72,9 +73,9 @@ class TrainOptions:
     threads: int = 1
     # self-distillation of the MTP layer on the main model's greedy continuations (module docstring)
     distill_steps: int = 0
-    distill_prompts: int = 256
+    distill_prompts: int = 512
     distill_prompt_len: int = 32
-    distill_tokens: int = 96
+    distill_tokens: int = 160
     distill_lr: float = 1e-3
 
     def __post_init__(self) -> None:
@@ -91,7 +92,7 @@ class TrainOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
 
 
-BENCH_TRAIN = TrainOptions(steps=300, threads=2, distill_steps=300)
+BENCH_TRAIN = TrainOptions(steps=300, threads=2, distill_steps=400)
 _ARCH_ONLY_SIZES = {"deepseek_v32": ("index_topk", "index_n_heads", "index_head_dim"), "glm4_moe": ("head_dim",)}
 _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -161,15 +162,22 @@ def balance_experts(model: nn.Module) -> None:
 def train(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: TrainOptions,
           log: Callable[[str], None] | None = None) -> list[float]:
     """Train in place; returns the loss of every step."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(opts.threads)
-    try:
+    with torch_threads(opts.threads):
         losses = _train(model, draft, ids, opts, log)
         if opts.distill_steps:
             losses += distill_draft(model, draft, ids, opts, log)
         return losses
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """torch's intra-op thread count set to `threads` for the block (part of the recipe)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _train(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: TrainOptions,
@@ -301,26 +309,69 @@ def build_for_training(config: dict, seed: int) -> tuple[CausalLM, MtpDraft]:
 
 def cache_key(config: dict, tokenizer_dir: Path, opts: TrainOptions, shards: int, fp8: bool) -> str:
     tokenizer_hash = hashlib.sha256((Path(tokenizer_dir) / "tokenizer.json").read_bytes()).hexdigest()
-    blob = json.dumps({"config": config, "tokenizer": tokenizer_hash, "train": asdict(opts), "shards": shards,
+    train_fields = asdict(opts)
+    if not opts.distill_steps:  # no distillation: its settings shape nothing (and older keys stay valid)
+        train_fields = {k: v for k, v in train_fields.items() if not k.startswith("distill_")}
+    blob = json.dumps({"config": config, "tokenizer": tokenizer_hash, "train": train_fields, "shards": shards,
                        "fp8": fp8, "recipe": RECIPE_VERSION, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+def _is_written(checkpoint: Path) -> bool:
+    return (checkpoint / "model.safetensors.index.json").exists()
+
+
 def trained_checkpoint(config: dict, tokenizer_dir: Path, opts: TrainOptions, shards: int = 1,
                        fp8: bool = False, log: Callable[[str], None] | None = None) -> Path:
-    """Directory of the trained checkpoint in the cache; trains and writes it on the first call."""
+    """Directory of the trained checkpoint in the cache; trains and writes it on the first call.
+
+    Two stages, each cached: the joint run (keyed without the distillation settings), then, with
+    distill_steps, the draft's distillation starting from the joint checkpoint as stored. Other
+    distillation settings reuse the joint run, and a fresh run gives what a cached one does."""
+    joint_opts = replace(opts, distill_steps=0)
+    joint = cache_root() / f"trained-{cache_key(config, tokenizer_dir, joint_opts, shards, fp8)}"
+    ids = None
+    if not _is_written(joint):
+        model, draft = build_for_training(config, opts.seed)
+        ids = corpus_ids(tokenizer_dir, "train", opts.corpus_bytes)
+        if log:
+            log(f"training {config['num_hidden_layers']} layers + MTP on {ids.numel()} tokens, {opts.steps} "
+                f"steps of {opts.batch} x {opts.seq_len}, {opts.threads} thread(s)")
+        train(model, draft, ids, joint_opts, log)
+        write_checkpoint(joint, config, checkpoint_tensors(model, draft), tokenizer_dir, shards=shards, fp8=fp8,
+                         overwrite=True)
+    if not opts.distill_steps:
+        return joint
     cached = cache_root() / f"trained-{cache_key(config, tokenizer_dir, opts, shards, fp8)}"
-    if (cached / "model.safetensors.index.json").exists():
+    if _is_written(cached):
         return cached
-    model, draft = build_for_training(config, opts.seed)
-    ids = corpus_ids(tokenizer_dir, "train", opts.corpus_bytes)
-    if log:
-        log(f"training {config['num_hidden_layers']} layers + MTP on {ids.numel()} tokens, {opts.steps} "
-            f"steps of {opts.batch} x {opts.seq_len}, {opts.threads} thread(s)")
-    train(model, draft, ids, opts, log)
-    tensors = checkpoint_tensors(model, draft)
-    write_checkpoint(cached, config, tensors, tokenizer_dir, shards=shards, fp8=fp8, overwrite=True)
+    model, draft = reload_for_training(config, joint, opts.seed)
+    if ids is None:
+        ids = corpus_ids(tokenizer_dir, "train", opts.corpus_bytes)
+    with torch_threads(opts.threads):
+        distill_draft(model, draft, ids, opts, log)
+    write_checkpoint(cached, config, checkpoint_tensors(model, draft), tokenizer_dir, shards=shards, fp8=fp8,
+                     overwrite=True)
     return cached
+
+
+def reload_for_training(config: dict, checkpoint: Path, seed: int) -> tuple[CausalLM, MtpDraft]:
+    """A trained checkpoint's weights in training modules (as build_for_training makes them: float32,
+    the draft sharing the main model's embedding and head, nothing packed for inference kernels)."""
+    from mtp_runtime.models.loader import load_draft, load_model
+
+    model, draft = build_for_training(config, seed)
+    main = load_model(checkpoint)
+    for target, source in ((model, main), (draft, load_draft(checkpoint, main))):
+        weights = dict(source.named_parameters())
+        params = dict(target.named_parameters())
+        if weights.keys() != params.keys():
+            raise ValueError(f"{checkpoint}: its {type(source).__name__} parameters differ from a training "
+                             f"module's: {sorted(weights.keys() ^ params.keys())[:5]}")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(weights[name])
+    return model, draft
 
 
 def copy_checkpoint(src: Path, out_dir: Path, overwrite: bool = False) -> Path:

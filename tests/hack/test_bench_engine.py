@@ -36,3 +36,11 @@ def test_summary_ratios_targets_and_losslessness():
     assert summary["lossless"] == {"k=0": True, "k=1": False}
     table = bench.markdown("deepseek_v3", systems, summary, [0, 1], [1, 16])
     assert "| k=1 | 1 | 40.0 |" in table and "| k=1 / k=0 tokens/s at batch 16 | 1.15 | 1.2 | NO |" in table
+
+
+def test_speedups_are_medians_of_the_ratios_within_each_repeat():
+    bench = load_bench()
+    base = {"tokens_per_s": 100.0, "seconds_samples": [1.0, 2.0, 1.0]}  # a slow spell in the second repeat
+    fast = {"tokens_per_s": 150.0, "seconds_samples": [0.5, 1.0, 0.8]}
+    assert bench.speedup_over(fast, base) == 2.0  # ratios 2.0, 2.0, 1.25
+    assert bench.speedup_over({"tokens_per_s": 150.0}, base) == 1.5  # no samples: ratio of the figures

@@ -152,3 +152,26 @@ def test_make_tiny_distill_steps(cache_dir, tmp_path, capsys):
     assert "trained 2 steps + 2 MTP distillation steps" in capsys.readouterr().out
     assert mtp_main(args[:-1] + ["-1", "--force"]) == 1
     assert "--distill-steps must be >= 0" in capsys.readouterr().err
+
+
+def test_distilled_checkpoint_reuses_the_joint_run_and_reproduces(cache_dir, monkeypatch):
+    config = build_config("deepseek_v3", **SIZES)
+    tok = build_tokenizer(512)
+    opts = train.TrainOptions(**{**OPTS.__dict__, "distill_steps": 3, "distill_prompts": 4,
+                                 "distill_prompt_len": 8, "distill_tokens": 8})
+    joint = train.trained_checkpoint(config, tok, OPTS)
+    distilled = train.trained_checkpoint(config, tok, opts)
+    assert distilled != joint
+    a, b = CheckpointIndex(joint), CheckpointIndex(distilled)
+    mtp = f"model.layers.{SIZES['num_hidden_layers']}."
+    assert all(torch.equal(a.read(n), b.read(n)) for n in a.names() if not n.startswith(mtp))  # main unchanged
+    assert not torch.equal(a.read(mtp + "eh_proj.weight"), b.read(mtp + "eh_proj.weight"))
+    # another distillation setting starts from the cached joint run: no joint training
+    monkeypatch.setattr(train, "_train", lambda *a, **k: pytest.fail("retrained the main model"))
+    other = train.trained_checkpoint(config, tok, train.TrainOptions(**{**opts.__dict__, "distill_steps": 4}))
+    assert other not in (joint, distilled)
+    # a fresh cache (joint run and distillation both from scratch) writes the same tensors
+    monkeypatch.undo()
+    monkeypatch.setenv("MTP_CACHE_DIR", str(cache_dir.parent / "fresh"))
+    c = CheckpointIndex(train.trained_checkpoint(config, tok, opts))
+    assert all(torch.equal(b.read(n), c.read(n)) for n in b.names())

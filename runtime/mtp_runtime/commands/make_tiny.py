@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="torch threads for training (part of the cache key; default 2 for --preset bench, else 1)")
     train.add_argument("--distill-steps", type=int, default=None,
                        help="after training, N steps of MTP self-distillation on the main model's greedy "
-                            "continuations (default 300 for --preset bench, else 0)")
+                            "continuations (default 400 for --preset bench, else 0)")
 
 
 def size_overrides(args: argparse.Namespace) -> dict:
