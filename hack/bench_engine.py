@@ -132,13 +132,17 @@ def _serve_system(conn, kind: str, args: tuple, threads: int) -> None:
     except BaseException as exc:  # reported by the driver, which stops the run
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", getattr(system, "compile_s", 0.0)))
+    conn.send(("ok", getattr(system, "compile_s", 0.0)))
     while (job := conn.recv()) is not None:
         prompts, max_tokens = job
-        start = time.perf_counter()
-        outs = system.run(prompts, max_tokens)
-        seconds = time.perf_counter() - start
-        conn.send((seconds, system.point(outs, seconds, max_tokens)))
+        try:
+            start = time.perf_counter()
+            outs = system.run(prompts, max_tokens)
+            seconds = time.perf_counter() - start
+            conn.send(("ok", (seconds, system.point(outs, seconds, max_tokens))))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            return
 
 
 class IsolatedSystem:
@@ -150,17 +154,26 @@ class IsolatedSystem:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve_system, args=(child, kind, args, threads), daemon=True)
         self.process.start()
+        child.close()  # the worker holds its end now: if it dies, a receive here ends instead of waiting
         self.compile_s = 0.0
 
-    def wait_ready(self) -> None:
-        status, value = self.conn.recv()
+    def _receive(self, doing: str):
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise SystemExit(f"{self.name}: its process exited while {doing} "
+                             f"(exit code {self.process.exitcode})") from None
         if status == "error":
-            raise SystemExit(f"{self.name}: failed to start: {value}")
-        self.compile_s = value
+            raise SystemExit(f"{self.name}: failed while {doing}: {value}")
+        return value
+
+    def wait_ready(self) -> None:
+        self.compile_s = self._receive("starting")
 
     def timed_run(self, prompts, max_tokens: int) -> tuple[float, dict]:
         self.conn.send((prompts, max_tokens))
-        return self.conn.recv()
+        return self._receive(f"generating for {len(prompts)} prompt(s)")
 
     def close(self) -> None:
         try:

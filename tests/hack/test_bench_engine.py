@@ -44,3 +44,16 @@ def test_speedups_are_medians_of_the_ratios_within_each_repeat():
     fast = {"tokens_per_s": 150.0, "seconds_samples": [0.5, 1.0, 0.8]}
     assert bench.speedup_over(fast, base) == 2.0  # ratios 2.0, 2.0, 1.25
     assert bench.speedup_over({"tokens_per_s": 150.0}, base) == 1.5  # no samples: ratio of the figures
+
+
+def test_a_system_that_fails_in_its_process_stops_the_run_naming_it(monkeypatch, tmp_path):
+    import pytest
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the spawned worker imports the script by name
+    import bench_engine
+
+    system = bench_engine.IsolatedSystem("k=0", "engine", (str(tmp_path), 0, 100, 1), 1)
+    with pytest.raises(SystemExit, match="k=0: failed while starting: .*no config.json"):
+        system.wait_ready()
+    system.close()
+    assert not system.process.is_alive()
