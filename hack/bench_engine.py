@@ -25,6 +25,7 @@ medians over the repeats; a speed-up is the median of the ratios within each rep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -176,10 +177,8 @@ class IsolatedSystem:
         return self._receive(f"generating for {len(prompts)} prompt(s)")
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a worker that already exited has closed its end
             self.conn.send(None)
-        except OSError:
-            pass
         self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.kill()
