@@ -15,6 +15,13 @@ t+1, both exactly what a greedy speculative step gives it, and its target is
 main's own next token. Serving verifies drafts against the main model's
 choices, not against text, so this is the objective acceptance measures; the
 shared embedding and head stay untouched (the main model does not change).
+
+With `distill_chain` n > 1 the draft also learns the chain it runs for drafts
+2..n of a step: draft j at position t+j-1 reads its own output of draft j-1
+(not main's hidden state) and main's token t+j, and attends, as in the
+engine's draft cache, to the first drafts' keys up to t and the chain's own
+keys at t+1..t+j-1 (`chain_mask`). Earlier chain inputs are main's tokens:
+draft j only counts when drafts 1..j-1 were accepted, so they equal main's.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from mtp_runtime.models.registry import build_draft, build_model
 RECIPE_VERSION = 1  # bump when training changes, so stale cached checkpoints are not reused
 INIT_STD = 0.02
 BIAS_UPDATE_RATE = 1e-3  # aux-loss-free balancing: nudge each expert's selection bias toward equal load
+CHAIN_LOSS_WEIGHT = 0.5  # distillation: weight of each chained draft's loss beside the first draft's
 
 # Deep and narrow like the published models (the MTP layer is a small share of a step), MoE from
 # layer 1 with grouped routing, a 4k vocabulary. Trains in minutes on 2 CPU cores.
@@ -77,6 +85,9 @@ class TrainOptions:
     distill_prompt_len: int = 32
     distill_tokens: int = 160
     distill_lr: float = 1e-3
+    # draft positions distilled: 1 trains the draft on main's hidden states only; n > 1 also on its own
+    # output, as the chained drafts 2..n of a step with k >= n feed it (module docstring)
+    distill_chain: int = 1
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "batch", "corpus_bytes", "threads"):
@@ -85,6 +96,8 @@ class TrainOptions:
         for name in ("distill_prompts", "distill_prompt_len", "distill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainOptions.{name} must be positive, got {getattr(self, name)}")
+        if self.distill_chain < 1:
+            raise ValueError(f"--distill-chain must be >= 1, got {self.distill_chain}")
         if self.distill_steps < 0:
             raise ValueError(f"--distill-steps must be >= 0, got {self.distill_steps}")
         for name in ("mtp_loss_weight", "distill_lr"):
@@ -92,7 +105,7 @@ class TrainOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
 
 
-BENCH_TRAIN = TrainOptions(steps=300, threads=2, distill_steps=400)
+BENCH_TRAIN = TrainOptions(steps=300, threads=2, distill_steps=400, distill_chain=3)
 _ARCH_ONLY_SIZES = {"deepseek_v32": ("index_topk", "index_n_heads", "index_head_dim"), "glm4_moe": ("head_dim",)}
 _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -246,6 +259,20 @@ def greedy_continuations(model: CausalLM, prompts: torch.Tensor, max_tokens: int
     return torch.cat(out)
 
 
+def chain_mask(span: int, depth: int, device: torch.device | None = None) -> torch.Tensor:
+    """[depth * span, depth * span] bool attention mask of `depth` draft passes laid end to end: row t
+    of pass 1 sits at position t and sees pass 1's rows up to t (causal); row t of pass j > 1 sits at
+    position t + j - 1 and sees pass 1's rows up to t and row t of passes 2..j, the keys a chained
+    draft finds in the draft cache when the step's last accepted position is t."""
+    row = torch.arange(span, device=device)
+    mask = torch.zeros(depth, span, depth, span, dtype=torch.bool, device=device)
+    mask[:, :, 0] = row[None, :, None] >= row[None, None, :]
+    same = torch.eye(span, dtype=torch.bool, device=device)
+    for j in range(1, depth):
+        mask[j, :, 1:j + 1] = same[:, None, :]
+    return mask.view(depth * span, depth * span)
+
+
 def distill_draft(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: TrainOptions,
                   log: Callable[[str], None] | None = None) -> list[float]:
     """Self-distillation of the draft (module docstring); returns the loss of every step."""
@@ -267,8 +294,10 @@ def distill_draft(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: Tra
     for p in frozen:
         p.requires_grad_(False)
     optimizer = torch.optim.AdamW(params, lr=opts.distill_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    span = data.shape[1] - 2  # the draft at t reads token t+1 and predicts token t+2
-    generated = slice(prompt_len - 1, span)  # positions whose input and target tokens main generated
+    chain = opts.distill_chain
+    span = data.shape[1] - 1 - chain  # draft j at row t reads token t+j and predicts token t+j+1
+    generated = slice(prompt_len - 1, span)  # rows whose input and target tokens main generated
+    masks = [chain_mask(span, j, data.device) for j in range(2, chain + 1)]
     losses = []
     draft.train()
     try:
@@ -276,9 +305,20 @@ def distill_draft(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: Tra
             window = data[torch.randint(0, data.shape[0], (opts.batch,), generator=order)]
             with torch.no_grad():
                 hidden = model.forward_batched(window[:, :span])
-            draft_hidden = draft.forward_batched(window[:, 1:span + 1], hidden)[:, generated]
-            loss = F.cross_entropy(draft.compute_logits(draft_hidden).flatten(0, 1),
+            draft_hidden = draft.forward_batched(window[:, 1:span + 1], hidden)
+            loss = F.cross_entropy(draft.compute_logits(draft_hidden[:, generated]).flatten(0, 1),
                                    window[:, 2:][:, generated].flatten())
+            inputs, tokens = [hidden], [window[:, 1:span + 1]]
+            for j, mask in enumerate(masks, start=2):
+                inputs.append(draft_hidden)
+                tokens.append(window[:, j:span + j])
+                positions = torch.arange(span, device=data.device).repeat(j) + \
+                    torch.arange(j, device=data.device).repeat_interleave(span)
+                draft_hidden = draft.forward_batched(torch.cat(tokens, 1), torch.cat(inputs, 1), positions,
+                                                     mask)[:, (j - 1) * span:]
+                loss = loss + CHAIN_LOSS_WEIGHT * F.cross_entropy(
+                    draft.compute_logits(draft_hidden[:, generated]).flatten(0, 1),
+                    window[:, j + 1:span + j + 1][:, generated].flatten())
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, opts.distill_steps, opts.distill_lr)
             optimizer.zero_grad(set_to_none=True)
@@ -312,6 +352,8 @@ def cache_key(config: dict, tokenizer_dir: Path, opts: TrainOptions, shards: int
     train_fields = asdict(opts)
     if not opts.distill_steps:  # no distillation: its settings shape nothing (and older keys stay valid)
         train_fields = {k: v for k, v in train_fields.items() if not k.startswith("distill_")}
+    elif opts.distill_chain == 1:  # the distillation as it was before chains existed: its keys stay valid
+        del train_fields["distill_chain"]
     blob = json.dumps({"config": config, "tokenizer": tokenizer_hash, "train": train_fields, "shards": shards,
                        "fp8": fp8, "recipe": RECIPE_VERSION, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]

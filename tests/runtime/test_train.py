@@ -142,6 +142,17 @@ def test_distill_options():
     config, tok = build_config("deepseek_v3", **SIZES), build_tokenizer(512)
     assert train.cache_key(config, tok, OPTS, 1, False) != train.cache_key(
         config, tok, train.TrainOptions(**{**OPTS.__dict__, "distill_steps": 5}), 1, False)
+    with pytest.raises(ValueError, match="--distill-chain must be >= 1"):
+        train.TrainOptions(steps=1, distill_chain=0)
+    # chains: a distillation of the first draft only keeps the key it had before chains existed
+    distilled = train.TrainOptions(**{**OPTS.__dict__, "distill_steps": 5})
+    fields = {k: v for k, v in train.asdict(distilled).items() if k != "distill_chain"}
+    blob = train.json.dumps({"config": config, "tokenizer": train.hashlib.sha256((tok / "tokenizer.json").read_bytes())
+                             .hexdigest(), "train": fields, "shards": 1, "fp8": False,
+                             "recipe": train.RECIPE_VERSION, "torch": torch.__version__}, sort_keys=True)
+    assert train.cache_key(config, tok, distilled, 1, False) == train.hashlib.sha256(blob.encode()).hexdigest()[:20]
+    assert train.cache_key(config, tok, distilled, 1, False) != train.cache_key(
+        config, tok, train.TrainOptions(**{**distilled.__dict__, "distill_chain": 2}), 1, False)
 
 
 def test_make_tiny_distill_steps(cache_dir, tmp_path, capsys):
@@ -152,6 +163,10 @@ def test_make_tiny_distill_steps(cache_dir, tmp_path, capsys):
     assert "trained 2 steps + 2 MTP distillation steps" in capsys.readouterr().out
     assert mtp_main(args[:-1] + ["-1", "--force"]) == 1
     assert "--distill-steps must be >= 0" in capsys.readouterr().err
+    assert mtp_main(args + ["--distill-chain", "2", "--force"]) == 0
+    assert "trained 2 steps + 2 MTP distillation steps (drafts 1-2)" in capsys.readouterr().out
+    assert mtp_main(args + ["--distill-chain", "0", "--force"]) == 1
+    assert "--distill-chain must be >= 1" in capsys.readouterr().err
 
 
 def test_distilled_checkpoint_reuses_the_joint_run_and_reproduces(cache_dir, monkeypatch):
@@ -175,3 +190,79 @@ def test_distilled_checkpoint_reuses_the_joint_run_and_reproduces(cache_dir, mon
     monkeypatch.setenv("MTP_CACHE_DIR", str(cache_dir.parent / "fresh"))
     c = CheckpointIndex(train.trained_checkpoint(config, tok, opts))
     assert all(torch.equal(b.read(n), c.read(n)) for n in b.names())
+
+
+def test_chain_mask_layout():
+    mask = train.chain_mask(3, 2)
+    assert mask.shape == (6, 6)
+    # pass 1: causal; pass 2, row t: pass 1's rows up to t and its own row, nothing else
+    assert mask[:3, :3].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert not mask[:3, 3:].any()
+    assert mask[3:, :3].tolist() == mask[:3, :3].tolist()
+    assert mask[3:, 3:].tolist() == torch.eye(3, dtype=torch.bool).tolist()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_chained_draft_in_training_matches_the_paged_draft_chain(arch):
+    """What distillation trains for drafts 2 and 3 (forward_batched with chain_mask) is what the engine
+    runs: the draft's first pass over positions 0..t in its paged cache, then its own output fed back
+    at t+1 and t+2, each pass attending to the cache it finds."""
+    from mtp_runtime.layers.attention import AttentionMetadata
+    from mtp_runtime.reference_generate import allocate_caches
+
+    model, draft = train.build_for_training(build_config(arch, **SIZES), seed=0)
+    model.eval(), draft.eval()
+    span, depth = 10, 3
+    ids = torch.randint(3, 500, (span + depth + 1,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model.forward_batched(ids[None, :span])
+        inputs, tokens, outs = [hidden], [ids[None, 1:span + 1]], [draft.forward_batched(ids[None, 1:span + 1], hidden)]
+        for j in range(2, depth + 1):
+            inputs.append(outs[-1])
+            tokens.append(ids[None, j:span + j])
+            positions = torch.arange(span).repeat(j) + torch.arange(j).repeat_interleave(span)
+            outs.append(draft.forward_batched(torch.cat(tokens, 1), torch.cat(inputs, 1), positions,
+                                              train.chain_mask(span, j))[:, (j - 1) * span:])
+        for t in (0, 4, span - 1):
+            caches = allocate_caches(draft.kv_cache_spec(), span + depth, torch.float32, "cpu")
+            h = draft(ids[1:t + 2], hidden[0, :t + 1], torch.arange(t + 1), caches,
+                      AttentionMetadata.for_sequence(0, t + 1))[-1:]
+            torch.testing.assert_close(h[0], outs[0][0, t], rtol=1e-4, atol=1e-5)
+            for j in range(2, depth + 1):
+                h = draft(ids[t + j:t + j + 1], h, torch.tensor([t + j - 1]), caches,
+                          AttentionMetadata.for_sequence(t + j - 1, 1))
+                torch.testing.assert_close(h[0], outs[j - 1][0, t], rtol=1e-4, atol=1e-5)
+
+
+def test_chain_distillation_loss_adds_the_chained_drafts(monkeypatch):
+    """With distill_chain 3 a step's loss is the first draft's CE plus CHAIN_LOSS_WEIGHT times the CE of
+    drafts 2 and 3, each run as the engine chains them (checked against the paged draft above)."""
+    config = build_config("deepseek_v3", **SIZES)
+    ids = train.corpus_ids(build_tokenizer(512), "train", OPTS.corpus_bytes)
+    model, draft = train.build_for_training(config, seed=0)
+    captured = []
+    real = train.greedy_continuations
+    monkeypatch.setattr(train, "greedy_continuations", lambda *a, **k: captured.append(real(*a, **k)) or captured[0])
+    opts = train.TrainOptions(**{**OPTS.__dict__, "batch": 2, "distill_steps": 1, "distill_prompts": 1,
+                                 "distill_prompt_len": 8, "distill_tokens": 16, "distill_chain": 3})
+    initial = {n: p.detach().clone() for n, p in draft.named_parameters()}
+    loss = train.distill_draft(model, draft, ids, opts)[0]
+    with torch.no_grad():
+        for n, p in draft.named_parameters():
+            p.copy_(initial[n])
+        window = captured[0].expand(2, -1)  # one continuation: every sampled row is it
+        span = window.shape[1] - 4
+        hidden = model.forward_batched(window[:, :span])
+        inputs, tokens, expected = [hidden], [window[:, 1:span + 1]], 0.0
+        out = draft.forward_batched(tokens[0], hidden)
+        for j in range(1, 4):
+            if j > 1:
+                inputs.append(out)
+                tokens.append(window[:, j:span + j])
+                positions = torch.arange(span).repeat(j) + torch.arange(j).repeat_interleave(span)
+                out = draft.forward_batched(torch.cat(tokens, 1), torch.cat(inputs, 1), positions,
+                                            train.chain_mask(span, j))[:, (j - 1) * span:]
+            logits = draft.compute_logits(out[:, 7:])  # generated rows: from the prompt's last token on
+            ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, j + 8:span + j + 1].flatten())
+            expected += ce.item() * (1.0 if j == 1 else train.CHAIN_LOSS_WEIGHT)
+    assert loss == pytest.approx(expected, rel=1e-5)

@@ -76,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--distill-steps", type=int, default=None,
                        help="after training, N steps of MTP self-distillation on the main model's greedy "
                             "continuations (default 400 for --preset bench, else 0)")
+    train.add_argument("--distill-chain", type=int, default=None,
+                       help="draft positions distillation trains: 1 the first draft of a step, N also the "
+                            "chained drafts 2..N that read the draft's own output (default 3 for --preset "
+                            "bench, else 1)")
 
 
 def size_overrides(args: argparse.Namespace) -> dict:
@@ -112,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
                                       threads=args.train_threads or (
                                           train.BENCH_TRAIN.threads if args.preset == "bench" else 1),
                                       distill_steps=args.distill_steps if args.distill_steps is not None else (
-                                          train.BENCH_TRAIN.distill_steps if args.preset == "bench" else 0))
+                                          train.BENCH_TRAIN.distill_steps if args.preset == "bench" else 0),
+                                      distill_chain=args.distill_chain if args.distill_chain is not None else (
+                                          train.BENCH_TRAIN.distill_chain if args.preset == "bench" else 1))
             cached = train.trained_checkpoint(config, tokenizer_dir, opts, args.shards, args.fp8, train.stderr_log)
             train.copy_checkpoint(cached, args.out, overwrite=args.force)
         else:
@@ -125,5 +131,6 @@ def run(args: argparse.Namespace) -> int:
           f"{config['num_nextn_predict_layers']} MTP, vocab {config['vocab_size']}"
           f"{', fp8' if args.fp8 else ''}, {args.shards} shard(s)"
           f"{f', trained {steps} steps' if steps else ''}"
-          f"{f' + {opts.distill_steps} MTP distillation steps' if steps and opts.distill_steps else ''}")
+          f"{f' + {opts.distill_steps} MTP distillation steps' if steps and opts.distill_steps else ''}"
+          f"{f' (drafts 1-{opts.distill_chain})' if steps and opts.distill_steps and opts.distill_chain > 1 else ''}")
     return 0

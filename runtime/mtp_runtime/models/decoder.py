@@ -40,8 +40,9 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.forward_batched(self.input_layernorm(x), cos, sin)
+    def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn.forward_batched(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

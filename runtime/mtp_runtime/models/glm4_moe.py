@@ -81,10 +81,12 @@ class GQAttention(nn.Module):
             out[rows] = attend(q[rows], keys, values, allowed, self.scale)
         return self.o_proj(out.flatten(-2))
 
-    def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Training path, as MLAttention.forward_batched (mask [S, S] replaces the causal one)."""
         q, k, v = self._project(x, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=self.scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             is_causal=mask is None, scale=self.scale, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 

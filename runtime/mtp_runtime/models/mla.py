@@ -129,20 +129,21 @@ class MLAttention(nn.Module):
             out[rows] = attend(q[rows], keys, keys[..., : self.kv_rank], allowed, self.scale)
         return out
 
-    def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Training path: x [B, S, H] at positions 0..S-1, no cache -> [B, S, H]."""
+    def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Training path: x [B, S, H] (rotated by cos/sin [S, rope]), no cache -> [B, S, H]. mask [S, S]
+        (True: the query row may see the key row) replaces the causal mask."""
         q_nope, q_rot, latent, q_latent = self._project(x, cos, sin)
         c, k_rot = latent.split([self.kv_rank, self.rope], dim=-1)
         k_nope, v = self.kv_b_proj(c).unflatten(-1, (self.num_heads, -1)).split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rot.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
-        mask = None
         seq_len = x.shape[1]
         if self.indexer is not None and seq_len > self.indexer.topk:
             with torch.no_grad():
                 iq, ik, iw = self.indexer.queries_and_keys(x, q_latent, cos, sin)
-                causal = causal_mask(torch.arange(seq_len, device=x.device), seq_len).expand(x.shape[0], -1, -1)
-                mask = self.indexer.select(iq, ik, iw, causal).unsqueeze(1)  # [B, 1, S, S]
+                allowed = causal_mask(torch.arange(seq_len, device=x.device), seq_len) if mask is None else mask
+                mask = self.indexer.select(iq, ik, iw, allowed.expand(x.shape[0], -1, -1)).unsqueeze(1)  # [B, 1, S, S]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
