@@ -60,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--train-threads", type=int, default=None,
                    help="default: make-tiny's (part of its cache key: match an earlier build to reuse it)")
     p.add_argument("--distill-steps", type=int, default=None, help="MTP self-distillation; default: the preset's")
+    p.add_argument("--distill-chain", type=int, default=None,
+                   help="draft positions the distillation trains; default: the preset's")
     p.add_argument("--ks", default="0,1,2,3")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -305,7 +307,8 @@ def main() -> None:
                                                      "--train-batch": args.train_batch,
                                                      "--train-seq-len": args.train_seq_len,
                                                      "--train-threads": args.train_threads,
-                                                     "--distill-steps": args.distill_steps})
+                                                     "--distill-steps": args.distill_steps,
+                                                     "--distill-chain": args.distill_chain})
         prompts = build_prompts(load_tokenizer(model_dir), max(batches), args.prompt_len, seed=0)
         max_model_len = args.prompt_len + args.max_tokens + 8
         specs = {} if args.no_transformers else {"transformers": ("transformers", (model_dir,))}
