@@ -2,8 +2,9 @@
 """Engine benchmark: transformers generate() vs our engine with k = 0..3 MTP drafts.
 
 On the trained `mtp make-tiny --preset bench` checkpoints, the same held-out
-prompts, greedy, measured side by side in one run: tokens/s and time per
-output token at each batch size, per-position acceptance, mean tokens per
+prompts (as many as the largest batch; a smaller batch size runs them all, one
+batch after another), greedy, measured side by side in one run: tokens/s and
+time per output token at each batch size, per-position acceptance, mean tokens per
 verify step, efficiency = (speed-up over k=0) / (tokens per verify step), and
 the target ratios. Every k's output is checked token-for-token against k=0.
 Writes results.json, results.md and speedup.png into OUT_DIR.
@@ -137,10 +138,12 @@ def _serve_system(conn, kind: str, args: tuple, threads: int) -> None:
         return
     conn.send(("ok", getattr(system, "compile_s", 0.0)))
     while (job := conn.recv()) is not None:
-        prompts, max_tokens = job
+        groups, max_tokens = job
         try:
+            outs = []
             start = time.perf_counter()
-            outs = system.run(prompts, max_tokens)
+            for prompts in groups:  # one batch after the other, as a client with this many slots sends them
+                outs += system.run(prompts, max_tokens)
             seconds = time.perf_counter() - start
             conn.send(("ok", (seconds, system.point(outs, seconds, max_tokens))))
         except Exception as exc:
@@ -174,9 +177,11 @@ class IsolatedSystem:
     def wait_ready(self) -> None:
         self.compile_s = self._receive("starting")
 
-    def timed_run(self, prompts, max_tokens: int) -> tuple[float, dict]:
-        self.conn.send((prompts, max_tokens))
-        return self._receive(f"generating for {len(prompts)} prompt(s)")
+    def timed_run(self, groups: list, max_tokens: int) -> tuple[float, dict]:
+        """Generate for each group of prompts in turn (each group one batch); the seconds of all."""
+        self.conn.send((groups, max_tokens))
+        return self._receive(f"generating for {sum(len(g) for g in groups)} prompt(s) in batches of "
+                             f"{max(len(g) for g in groups)}")
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a worker that already exited has closed its end
@@ -186,23 +191,33 @@ class IsolatedSystem:
             self.process.kill()
 
 
+def batch_groups(prompts: list, batch: int) -> list[list]:
+    """The prompts in consecutive batches of `batch` (the last one may be smaller): every batch size
+    runs every prompt, so its acceptance and speed-up are not those of the first few prompts."""
+    return [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+
+
 def measure(systems: dict, prompts, batches, max_tokens: int, repeats: int) -> dict:
-    """Median of `repeats` wall times per system and batch. Systems take turns within each
-    repeat, so load changes on the machine hit all of them alike."""
+    """Median of `repeats` wall times per system and batch size, each time over all the prompts in
+    batches of that size. Systems take turns within each repeat, so load changes on the machine hit
+    all of them alike."""
     for system in systems.values():
-        system.timed_run(prompts[:2], 8)  # warm-up
+        system.timed_run([prompts[:2]], 8)  # warm-up
     results = {name: {} for name in systems}
     for b in batches:
+        groups = batch_groups(prompts, b)
         samples = {name: [] for name in systems}
         for _ in range(repeats):
             for name, system in systems.items():
-                seconds, point = system.timed_run(prompts[:b], max_tokens)
+                seconds, point = system.timed_run(groups, max_tokens)
                 samples[name].append(seconds)
                 results[name][b] = point
         for name in systems:
             seconds = statistics.median(samples[name])
+            # ms / output token: the time a sequence waits for each of its tokens, batch after batch
             results[name][b].update(seconds=seconds, seconds_samples=samples[name],
-                                    tokens_per_s=b * max_tokens / seconds, tpot_ms=1e3 * seconds / max_tokens)
+                                    tokens_per_s=len(prompts) * max_tokens / seconds,
+                                    tpot_ms=1e3 * seconds / (len(groups) * max_tokens))
         print(b, {name: round(results[name][b]["tokens_per_s"], 1) for name in systems}, flush=True)
     return results
 

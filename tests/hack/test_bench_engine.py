@@ -57,3 +57,26 @@ def test_a_system_that_fails_in_its_process_stops_the_run_naming_it(monkeypatch,
         system.wait_ready()
     system.close()
     assert not system.process.is_alive()
+
+
+def test_every_batch_size_runs_every_prompt():
+    bench = load_bench()
+    prompts = [[i] for i in range(16)]
+    assert bench.batch_groups(prompts, 1) == [[[i]] for i in range(16)]
+    assert [len(g) for g in bench.batch_groups(prompts, 4)] == [4] * 4
+    assert [len(g) for g in bench.batch_groups(prompts[:10], 4)] == [4, 4, 2]
+
+    class Fake:
+        def __init__(self):
+            self.jobs = []
+
+        def timed_run(self, groups, max_tokens):
+            self.jobs.append((len(groups), sum(len(g) for g in groups)))
+            return 0.5 * len(groups), {"token_ids": [p for g in groups for p in g]}
+
+    fake = Fake()
+    results = bench.measure({"k=0": fake}, prompts, [1, 16], max_tokens=10, repeats=3)
+    assert fake.jobs == [(1, 2)] + [(16, 16)] * 3 + [(1, 16)] * 3  # warm-up, then all 16 prompts each time
+    assert results["k=0"][1]["tokens_per_s"] == 16 * 10 / 8.0 and results["k=0"][1]["tpot_ms"] == 1e3 * 8.0 / 160
+    assert results["k=0"][16]["tokens_per_s"] == 16 * 10 / 0.5 and results["k=0"][16]["tpot_ms"] == 1e3 * 0.5 / 10
+    assert results["k=0"][1]["token_ids"] == prompts
