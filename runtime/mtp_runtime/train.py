@@ -98,6 +98,9 @@ class TrainOptions:
                 raise ValueError(f"TrainOptions.{name} must be positive, got {getattr(self, name)}")
         if self.distill_chain < 1:
             raise ValueError(f"--distill-chain must be >= 1, got {self.distill_chain}")
+        if self.distill_chain >= self.distill_tokens:  # draft j's target is main's token j+1 steps on
+            raise ValueError(f"--distill-chain {self.distill_chain} needs more generated tokens than that "
+                             f"(TrainOptions.distill_tokens is {self.distill_tokens})")
         if self.distill_steps < 0:
             raise ValueError(f"--distill-steps must be >= 0, got {self.distill_steps}")
         for name in ("mtp_loss_weight", "distill_lr"):

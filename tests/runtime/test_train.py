@@ -144,6 +144,8 @@ def test_distill_options():
         config, tok, train.TrainOptions(**{**OPTS.__dict__, "distill_steps": 5}), 1, False)
     with pytest.raises(ValueError, match="--distill-chain must be >= 1"):
         train.TrainOptions(steps=1, distill_chain=0)
+    with pytest.raises(ValueError, match="--distill-chain 4 needs more generated tokens .*distill_tokens is 4"):
+        train.TrainOptions(steps=1, distill_chain=4, distill_tokens=4)
     # chains: a distillation of the first draft only keeps the key it had before chains existed
     distilled = train.TrainOptions(**{**OPTS.__dict__, "distill_steps": 5})
     fields = {k: v for k, v in train.asdict(distilled).items() if k != "distill_chain"}
