@@ -276,6 +276,12 @@ def chain_mask(span: int, depth: int, device: torch.device | None = None) -> tor
     return mask.view(depth * span, depth * span)
 
 
+def chain_positions(span: int, depth: int, device: torch.device | None = None) -> torch.Tensor:
+    """[depth * span] positions of the rows `chain_mask` lays out: row t of pass j sits at t + j - 1."""
+    return torch.arange(span, device=device).repeat(depth) + \
+        torch.arange(depth, device=device).repeat_interleave(span)
+
+
 def distill_draft(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: TrainOptions,
                   log: Callable[[str], None] | None = None) -> list[float]:
     """Self-distillation of the draft (module docstring); returns the loss of every step."""
@@ -300,7 +306,8 @@ def distill_draft(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: Tra
     chain = opts.distill_chain
     span = data.shape[1] - 1 - chain  # draft j at row t reads token t+j and predicts token t+j+1
     generated = slice(prompt_len - 1, span)  # rows whose input and target tokens main generated
-    masks = [chain_mask(span, j, data.device) for j in range(2, chain + 1)]
+    chained = [(chain_positions(span, j, data.device), chain_mask(span, j, data.device))
+               for j in range(2, chain + 1)]
     losses = []
     draft.train()
     try:
@@ -312,11 +319,9 @@ def distill_draft(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: Tra
             loss = F.cross_entropy(draft.compute_logits(draft_hidden[:, generated]).flatten(0, 1),
                                    window[:, 2:][:, generated].flatten())
             inputs, tokens = [hidden], [window[:, 1:span + 1]]
-            for j, mask in enumerate(masks, start=2):
+            for j, (positions, mask) in enumerate(chained, start=2):
                 inputs.append(draft_hidden)
                 tokens.append(window[:, j:span + j])
-                positions = torch.arange(span, device=data.device).repeat(j) + \
-                    torch.arange(j, device=data.device).repeat_interleave(span)
                 draft_hidden = draft.forward_batched(torch.cat(tokens, 1), torch.cat(inputs, 1), positions,
                                                      mask)[:, (j - 1) * span:]
                 loss = loss + CHAIN_LOSS_WEIGHT * F.cross_entropy(

@@ -222,7 +222,7 @@ def test_chained_draft_in_training_matches_the_paged_draft_chain(arch):
         for j in range(2, depth + 1):
             inputs.append(outs[-1])
             tokens.append(ids[None, j:span + j])
-            positions = torch.arange(span).repeat(j) + torch.arange(j).repeat_interleave(span)
+            positions = train.chain_positions(span, j)
             outs.append(draft.forward_batched(torch.cat(tokens, 1), torch.cat(inputs, 1), positions,
                                               train.chain_mask(span, j))[:, (j - 1) * span:])
         for t in (0, 4, span - 1):
@@ -261,7 +261,7 @@ def test_chain_distillation_loss_adds_the_chained_drafts(monkeypatch):
             if j > 1:
                 inputs.append(out)
                 tokens.append(window[:, j:span + j])
-                positions = torch.arange(span).repeat(j) + torch.arange(j).repeat_interleave(span)
+                positions = train.chain_positions(span, j)
                 out = draft.forward_batched(torch.cat(tokens, 1), torch.cat(inputs, 1), positions,
                                             train.chain_mask(span, j))[:, (j - 1) * span:]
             logits = draft.compute_logits(out[:, 7:])  # generated rows: from the prompt's last token on
