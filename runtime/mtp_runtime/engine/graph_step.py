@@ -10,10 +10,11 @@ token plus its k drafts), this module runs the whole step as one graph:
    padded: every sequence brings exactly k+1 tokens), logits, argmax t;
 2. a = number of leading drafts equal to t (greedy acceptance);
 3. the draft's first pass over the same k+1 positions, fed the main hidden
-   states and t as the next tokens. Rows past a sequence's acceptance see
-   only earlier rows (causal) and write cache slots past its verified length,
-   which the next step overwrites before anything reads them, as in the
-   eager step (runtime/README.md, "Speculative step");
+   states and t as the next tokens: every row writes its key to the draft
+   cache (rows past a sequence's acceptance write slots past its verified
+   length, which the next step overwrites before anything reads them, as in
+   the eager step; runtime/README.md, "Speculative step"), and only row a
+   attends and runs the MLP (models.mtp.MtpDraft.forward_selected);
 4. the draft hidden at row a gives the first new draft; k-1 chained
    single-token draft forwards give the rest.
 
@@ -35,7 +36,7 @@ import time
 import torch
 
 from mtp_runtime.engine.sampler import greedy_verify
-from mtp_runtime.layers.attention import DecodeBatch
+from mtp_runtime.layers.attention import DecodeBatch, RowSelection
 from mtp_runtime.models.graph import compile_failure, compile_method
 
 # Architectures whose decode steps take the one-call graph. GLM's (GQA) one-call graph measured slower
@@ -117,8 +118,12 @@ class GreedyDecodeStep:
         b = plan.shape[0]
         device = plan.device
         accepted = greedy_verify(targets, tokens[:, 1:])  # [B]
-        out = self.draft._forward_eager(targets.flatten(), hidden, positions.flatten(), draft_caches, meta)
-        h = out.view(b, n, -1)[torch.arange(b, device=device), accepted]  # [B, H] at the last final position
+        # Every row's key enters the draft cache; only the row at each sequence's last final position
+        # attends and runs the MLP: its output is the one the next draft reads.
+        last = (cached + accepted).unsqueeze(1)  # [B, 1]
+        select = RowSelection(torch.arange(b, device=device) * n + accepted, _metadata(tables, last, key_pos, bs))
+        h = self.draft.forward_selected(targets.flatten(), hidden, positions.flatten(), draft_caches, meta,
+                                        select)  # [B, H]
         draft = self.draft.compute_logits(h).argmax(-1)
         drafts = [draft]
         for j in range(1, k):

@@ -21,7 +21,7 @@ from mtp_runtime.engine.graph_step import ONE_CALL_ARCHS, GreedyDecodeStep, warm
 from mtp_runtime.engine.sampler import RowParams, probabilities, sample_from, speculative_verify, uniform_rows
 from mtp_runtime.engine.scheduler import ScheduledBatch
 from mtp_runtime.engine.sequence import Sequence
-from mtp_runtime.layers.attention import AttentionMetadata
+from mtp_runtime.layers.attention import AttentionMetadata, RowSelection
 from mtp_runtime.models.graph import warm_up
 from mtp_runtime.models.loader import load_draft, load_model
 
@@ -275,11 +275,17 @@ class ModelRunner:
                 samplers.append(seq)
         tables = [seq.block_table for seq in batch.seqs]
         meta = AttentionMetadata(d_qsl, d_context, tables, self._tensor(d_slots), self.block_size)
-        out = self.draft(self._tensor(ids), hidden[self._tensor(rows)], self._tensor(rows_positions(meta)),
-                         self.draft_caches, meta)
-        if not samplers:
+        args = (self._tensor(ids), hidden[self._tensor(rows)], self._tensor(rows_positions(meta)), self.draft_caches)
+        if not samplers:  # chunks of prompts still prefilling: their keys only
+            self.draft(*args, meta)
             return
-        h = out[self._tensor(last_rows)]  # [B, H] draft hidden at each sampling sequence's last final position
+        if self.draft.graph_enabled and meta.decode_batch() is not None:  # the compiled draft forward, every row
+            h = self.draft(*args, meta)[self._tensor(last_rows)]
+        else:
+            # Every row's key enters the cache; only each sampling sequence's last final position attends
+            # and runs the MLP (a prompt's draft pass: one row of the chunk's, not all of them).
+            h = self.draft.forward_selected(*args, meta, RowSelection.of(meta, last_rows))
+        # h [B, H]: the draft hidden at each sampling sequence's last final position
         drafts, probs = [], []
         tok = self._draft_token(samplers, h, probs)
         drafts.append(tok)

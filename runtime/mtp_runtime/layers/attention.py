@@ -84,11 +84,48 @@ class AttentionMetadata:
             self._decode_batch = DecodeBatch.build(self)
         return self._decode_batch
 
+    def select(self, rows: list[int]) -> "AttentionMetadata":
+        """The metadata of the given rows (of this step's flattened new tokens) alone: each row a
+        sequence of one new token, which sees its own sequence's keys up to its position."""
+        qsl, num_tokens = self.query_start_loc, self.query_start_loc[-1]
+        context_lens, tables = [], []
+        seq = 0
+        for r in rows:
+            if not 0 <= r < num_tokens:
+                raise ValueError(f"AttentionMetadata.select: row {r} is not one of the step's {num_tokens} tokens")
+            if r < qsl[seq]:
+                seq = 0
+            while r >= qsl[seq + 1]:
+                seq += 1
+            context_lens.append(self.context_lens[seq] - (qsl[seq + 1] - r) + 1)
+            tables.append(self.block_tables[seq])
+        slots = self.slot_mapping.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.slot_mapping.device))
+        return AttentionMetadata(list(range(len(rows) + 1)), context_lens, tables, slots, self.block_size)
+
     def context_slots(self, i: int, device: torch.device | str = "cpu") -> torch.Tensor:
         ctx = self.context_lens[i]
         blocks = torch.tensor(self.block_tables[i][: -(-ctx // self.block_size)], dtype=torch.long, device=device)
         offsets = torch.arange(self.block_size, device=device)
         return (blocks[:, None] * self.block_size + offsets[None, :]).flatten()[:ctx]
+
+
+@dataclass
+class RowSelection:
+    """The rows of a forward whose outputs are wanted. Every new token's keys and values are still
+    written to the cache, but only these rows attend and go on through the layer (an MTP draft pass
+    over the positions a step made final needs the hidden state of each sequence's last one only).
+    rows: [R] indices into the forward's flattened tokens (R >= 1); meta: the attention metadata of
+    those R tokens alone (their positions and contexts; its cache slots are not written)."""
+
+    rows: torch.Tensor
+    meta: "AttentionMetadata"
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, rows: list[int]) -> "RowSelection":
+        """The rows `rows` of the step `meta` describes."""
+        if not rows:
+            raise ValueError("RowSelection: select at least one row")
+        return cls(torch.tensor(rows, dtype=torch.long, device=meta.slot_mapping.device), meta.select(rows))
 
 
 # Sequences with more new tokens than this (prefill chunks) attend one by one.

@@ -14,7 +14,7 @@ from torch import nn
 
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState
-from mtp_runtime.layers.attention import AttentionMetadata
+from mtp_runtime.layers.attention import AttentionMetadata, RowSelection
 from mtp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mtp_runtime.layers.moe import MoE, DenseMLP
 from mtp_runtime.layers.norm import RMSNorm
@@ -36,8 +36,11 @@ class DecoderLayer(nn.Module):
                     else DenseMLP(config.hidden_size, config.intermediate_size, parallel))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+                cache: dict[str, torch.Tensor], meta: AttentionMetadata,
+                select: RowSelection | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; with `select`, every row's keys are cached but only its R rows go on: [R, H]."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, select)
+        x = (x if select is None else x.index_select(0, select.rows)) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -10,8 +10,8 @@ from torch import nn
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
 from mtp_runtime.kernels import cpu_gemm
-from mtp_runtime.layers.attention import (AttentionMetadata, attend, attend_decode_batch, causal_mask, gather_cache,
-                                         write_cache)
+from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, attend, attend_decode_batch, causal_mask,
+                                         gather_cache, write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.layers.rotary_embedding import apply_rope_halves
@@ -65,10 +65,14 @@ class GQAttention(nn.Module):
         return apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                cache: dict[str, torch.Tensor], meta: AttentionMetadata,
+                select: RowSelection | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H] (with `select`: [R, H], its rows only); writes every row's k and v."""
         q, k, v = self._project(x, cos, sin)
         write_cache(cache["k"], k, meta.slot_mapping)
         write_cache(cache["v"], v, meta.slot_mapping)
+        if select is not None:
+            q, meta = q.index_select(0, select.rows), select.meta
         batch = meta.decode_batch()
         if batch is not None:  # decode / verify: every sequence in one padded batch
             out = attend_decode_batch(batch, q, batch.keys(cache["k"]), batch.keys(cache["v"]), self.scale)

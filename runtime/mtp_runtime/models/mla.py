@@ -16,8 +16,8 @@ from torch import nn
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
 from mtp_runtime.kernels import cpu_gemm
-from mtp_runtime.layers.attention import (AttentionMetadata, attend, attend_decode_batch_shared, causal_mask,
-                                         gather_cache, write_cache)
+from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, attend, attend_decode_batch_shared,
+                                         causal_mask, gather_cache, write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.layers.rotary_embedding import apply_rope_halves, apply_rope_interleaved
@@ -91,14 +91,20 @@ class MLAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, H] (flattened batch) -> [T, H]; writes this step's latents into the paged cache."""
+                cache: dict[str, torch.Tensor], meta: AttentionMetadata,
+                select: RowSelection | None = None) -> torch.Tensor:
+        """x [T, H] (flattened batch) -> [T, H] (with `select`: [R, H], its rows only); writes this
+        step's latents into the paged cache."""
         q_nope, q_rot, latent, q_latent = self._project(x, cos, sin)
         write_cache(cache["latent"], latent, meta.slot_mapping)
         index_q = index_w = None
         if self.indexer is not None:
             index_q, index_k, index_w = self.indexer.queries_and_keys(x, q_latent, cos, sin)
             write_cache(cache["index_k"], index_k, meta.slot_mapping)
+        if select is not None:  # every latent is written above; only the selected rows attend
+            q_nope, q_rot, meta = q_nope.index_select(0, select.rows), q_rot.index_select(0, select.rows), select.meta
+            if index_q is not None:
+                index_q, index_w = index_q.index_select(0, select.rows), index_w.index_select(0, select.rows)
         w_uk, w_uv = self._kv_b()
         # Fold the key up-projection into the query: q . (W_uk c) = (W_uk^T q) . c
         # (bmm over heads directly: einsum's own dispatch costs more than the product at decode sizes)

@@ -13,7 +13,7 @@ from torch import nn
 
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState
-from mtp_runtime.layers.attention import AttentionMetadata
+from mtp_runtime.layers.attention import AttentionMetadata, RowSelection
 from mtp_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mtp_runtime.layers.linear import ReplicatedLinear
 from mtp_runtime.layers.norm import RMSNorm
@@ -64,12 +64,21 @@ class MtpDraft(GraphMode, nn.Module):
         (compiled in graph mode)."""
         return GraphMode.forward(self, input_ids, hidden, positions, caches, meta)
 
+    def forward_selected(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                         caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata,
+                         select: RowSelection) -> torch.Tensor:
+        """As `forward` (not compiled on its own), but only the selected rows attend and run the MLP:
+        -> [R, H]. Every row's keys still enter the cache, as a draft pass over the positions a step
+        made final needs, while only each sequence's last row feeds the next draft."""
+        return self._forward_eager(input_ids, hidden, positions, caches, meta, select)
+
     def _forward_eager(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                       caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                       caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata,
+                       select: RowSelection | None = None) -> torch.Tensor:
         if len(caches) != 1:
             raise ValueError(f"the MTP draft has one layer and takes one cache, got {len(caches)}")
         cos, sin = self.rotary(positions)
-        x = self.layer(self._combine(input_ids, hidden), cos, sin, caches[0], meta)
+        x = self.layer(self._combine(input_ids, hidden), cos, sin, caches[0], meta, select)
         return self.shared_head.norm(x)
 
     def forward_batched(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None,

@@ -9,12 +9,12 @@ inside the model line up. The engine needs no multi-node code of its own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from mtp_runtime.layers.attention import AttentionMetadata
+from mtp_runtime.layers.attention import AttentionMetadata, RowSelection
 from mtp_runtime.multinode.step_plan import (
     ALLOCATE_CACHE,
     DRAFT,
@@ -119,10 +119,23 @@ class BroadcastingModule:
         else:
             input_ids, hidden, positions, caches, meta = _bind(
                 args, kwargs, ("input_ids", "hidden", "positions", "caches", "meta"))
+        return self._forward(input_ids, hidden, positions, caches, meta, None,
+                             lambda: self._module(*args, **kwargs))
+
+    def forward_selected(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                         caches: list, meta: AttentionMetadata, select: RowSelection) -> torch.Tensor:
+        """The draft's forward whose output is the selected rows only: the plan names them."""
+        return self._forward(input_ids, hidden, positions, caches, meta, select.rows.tolist(),
+                             lambda: self._module.forward_selected(input_ids, hidden, positions, caches, meta, select))
+
+    def _forward(self, input_ids, hidden, positions, caches, meta, select_rows: list[int] | None,
+                 run: Callable[[], torch.Tensor]) -> torch.Tensor:
         self._sync_caches(caches)
         fields, sent = self._hidden_fields(hidden) if hidden is not None else ({}, None)
+        if select_rows:
+            fields["select_rows"] = select_rows
         self._leader.send(_forward_plan(self._target, input_ids, positions, meta, **fields), sent)
-        out = self._module(*args, **kwargs).as_subclass(TrackedOutput)
+        out = run().as_subclass(TrackedOutput)
         out._mtp_target = self._target
         self._leader.last_output[self._target] = out
         return out
@@ -161,10 +174,10 @@ def _bind(args: tuple, kwargs: dict, names: tuple[str, ...]) -> list:
 
 
 def _forward_plan(target: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  **hidden_fields: Any) -> StepPlan:
+                  **fields: Any) -> StepPlan:
     return StepPlan(
         kind=FORWARD, target=target, input_ids=input_ids.tolist(), positions=positions.tolist(),
         query_start_loc=list(meta.query_start_loc), context_lens=list(meta.context_lens),
         block_tables=[list(t) for t in meta.block_tables], slot_mapping=meta.slot_mapping.tolist(),
-        block_size=meta.block_size, **hidden_fields,
+        block_size=meta.block_size, **fields,
     )

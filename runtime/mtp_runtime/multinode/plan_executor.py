@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mtp_runtime.layers.attention import RowSelection
 from mtp_runtime.multinode.step_plan import (
     ALLOCATE_CACHE,
     DRAFT,
@@ -75,6 +76,9 @@ class PlanExecutor:
         meta = plan.attention_metadata(self.device)
         if plan.target == MAIN:
             out = module(ids, positions, caches, meta)
+        elif plan.select_rows:
+            out = module.forward_selected(ids, self._hidden(plan, sent_hidden), positions, caches, meta,
+                                          RowSelection.of(meta, plan.select_rows))
         else:
             out = module(ids, self._hidden(plan, sent_hidden), positions, caches, meta)
         self.last_output[plan.target] = out

@@ -43,10 +43,10 @@ HIDDEN_SOURCES = (HIDDEN_FROM_MAIN, HIDDEN_FROM_DRAFT, HIDDEN_SENT)
 # Dtypes a plan can name (hidden tensors sent, caches allocated).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_VERSION = 2
+_VERSION = 3
 PLAN_CAPACITY = 4096  # int64 slots in a plan's first broadcast (32 KiB)
-_HEADER = 11  # version, kind, target, hidden_source, num_blocks, B, T, block_size, table entries,
-#               hidden rows, hidden size
+_HEADER = 12  # version, kind, target, hidden_source, num_blocks, B, T, block_size, table entries,
+#               hidden rows, hidden size, selected rows
 
 
 @dataclass
@@ -66,6 +66,8 @@ class StepPlan:
     hidden_size: int = 0  # SENT: its width
     num_blocks: int = 0  # ALLOCATE_CACHE only
     dtype: torch.dtype = torch.float32  # SENT hidden's working dtype; ALLOCATE_CACHE's cache dtype
+    # A draft FORWARD whose output is these rows only (MtpDraft.forward_selected); empty: every row.
+    select_rows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,6 +86,12 @@ class StepPlan:
                              f"ALLOCATE_CACHE plan needs both > 0")
         if self.kind == FORWARD:
             self._validate_batch()
+        if self.select_rows:
+            if self.kind != FORWARD or self.target != DRAFT:
+                raise ValueError("StepPlan.select_rows: only a draft forward selects rows")
+            bad = [r for r in self.select_rows if not 0 <= r < self.num_tokens]
+            if bad:
+                raise ValueError(f"StepPlan.select_rows {bad}: not rows of the forward's {self.num_tokens} tokens")
         if self.takes_hidden:
             self._validate_hidden()
 
@@ -128,10 +136,10 @@ class StepPlan:
         table_lens = [len(t) for t in self.block_tables]
         header = [_VERSION, self.kind, self.target, self.hidden_source, self.num_blocks,
                   len(self.context_lens), len(self.input_ids), self.block_size, sum(table_lens),
-                  len(self.hidden_rows), self.hidden_size]
+                  len(self.hidden_rows), self.hidden_size, len(self.select_rows)]
         flat: list[int] = header + [self.hidden_count, DTYPES.index(self.dtype)] + self.input_ids + self.positions + self.query_start_loc
         flat += self.context_lens + table_lens + [b for t in self.block_tables for b in t]
-        flat += self.slot_mapping + self.hidden_rows
+        flat += self.slot_mapping + self.hidden_rows + self.select_rows
         return torch.tensor(flat, dtype=torch.long)
 
     @classmethod
@@ -139,8 +147,8 @@ class StepPlan:
         values = payload.tolist()
         if len(values) < _HEADER + 1 or values[0] != _VERSION:
             raise ValueError(f"StepPlan payload: not a version-{_VERSION} plan (ranks running different builds?)")
-        _, kind, target, hidden_source, num_blocks, num_seqs, num_tokens, block_size, entries, rows, width = \
-            values[:_HEADER]
+        _, kind, target, hidden_source, num_blocks, num_seqs, num_tokens, block_size, entries, rows, width, \
+            selected = values[:_HEADER]
         reader = _Reader(values, _HEADER)
         hidden_count, dtype_code = reader.take(2)
         if not 0 <= dtype_code < len(DTYPES):
@@ -154,7 +162,7 @@ class StepPlan:
             start += n
         plan = cls(kind, target, input_ids, positions, query_start_loc, context_lens, block_tables,
                    reader.take(num_tokens), block_size, hidden_source, reader.take(rows), hidden_count,
-                   width, num_blocks, DTYPES[dtype_code])
+                   width, num_blocks, DTYPES[dtype_code], reader.take(selected))
         reader.finish()
         return plan
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from mtp_runtime.layers.attention import (DECODE_MAX_NEW, AttentionMetadata, attend, attend_decode_batch,
-                                         attend_decode_batch_shared, causal_mask, gather_cache, write_cache)
+from mtp_runtime.layers.attention import (DECODE_MAX_NEW, AttentionMetadata, RowSelection, attend,
+                                         attend_decode_batch, attend_decode_batch_shared, causal_mask, gather_cache,
+                                         write_cache)
 
 
 def test_write_then_gather_follows_block_tables():
@@ -83,3 +85,18 @@ def test_decode_batch_matches_per_sequence_attention_shared_latent():
 def test_decode_batch_is_only_for_short_steps():
     assert AttentionMetadata.for_sequence(0, DECODE_MAX_NEW + 1, 4).decode_batch() is None  # a prefill chunk
     assert AttentionMetadata.for_sequence(10, DECODE_MAX_NEW, 4).decode_batch() is not None
+
+
+def test_select_gives_each_row_its_own_position_and_context():
+    # sequence 0: 2 cached + 3 new tokens in blocks [7, 2]; sequence 1: 5 cached + 1 new in blocks [4, 9]
+    meta = AttentionMetadata([0, 3, 4], [5, 6], [[7, 2], [4, 9]], torch.tensor([30, 31, 8, 37]), 4)
+    picked = meta.select([3, 1, 2])  # any order
+    assert picked.query_start_loc == [0, 1, 2, 3]
+    assert picked.context_lens == [6, 4, 5]  # each row sees its sequence up to its own position
+    assert picked.block_tables == [[4, 9], [7, 2], [7, 2]]
+    assert picked.slot_mapping.tolist() == [37, 31, 8]
+    assert [pos.tolist() for _, pos, _ in picked.sequences()] == [[5], [3], [4]]
+    with pytest.raises(ValueError, match="row 4 is not one of the step's 4 tokens"):
+        meta.select([4])
+    with pytest.raises(ValueError, match="at least one row"):
+        RowSelection.of(meta, [])

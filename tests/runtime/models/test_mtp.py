@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from mtp_runtime.checkpoint.draft_layout import draft_config, draft_name
-from mtp_runtime.layers.attention import AttentionMetadata
+from mtp_runtime.layers.attention import AttentionMetadata, RowSelection
 from mtp_runtime.models.loader import LoadError, load_draft, load_model
 
 DECODER_LAYERS = {
@@ -84,6 +84,31 @@ def test_draft_matches_recomputation_including_reuse(tiny_dirs, reference_model,
         out2 = draft(guess, out[-1:], torch.tensor([n]), caches, AttentionMetadata.for_sequence(n, 1, 4))
         expected2 = reference(torch.cat([ids[1:n + 1], guess]), torch.cat([hidden[:n], out[-1:]]))[-1:]
         assert (draft.compute_logits(out2) - expected2).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "glm4_moe"])
+@pytest.mark.parametrize("news", [(18, 6), (3, 2)], ids=["per-sequence", "decode-batch"])
+def test_selected_rows_match_the_full_forward_and_cache_every_key(tiny_dirs, arch, news):
+    """forward_selected: the chosen rows' outputs as the full forward gives them, and the same cache."""
+    model = load_model(tiny_dirs[arch])
+    draft = load_draft(tiny_dirs[arch], model)
+    block_size, total = 4, sum(news)
+    tables = [list(range(5)), list(range(5, 7))]
+    slots = [t[p // block_size] * block_size + p % block_size for t, n in zip(tables, news) for p in range(n)]
+    meta = lambda: AttentionMetadata([0, news[0], total], list(news), tables, torch.tensor(slots), block_size)  # noqa: E731
+    gen = torch.Generator().manual_seed(5)
+    ids, hidden = torch.randint(3, 512, (total,), generator=gen), torch.randn(total, model.config.hidden_size, generator=gen)
+    positions = torch.tensor([p for n in news for p in range(n)])
+    rows = [news[0] - 1, news[0] + 1, total - 1]  # the last row of a chunk, a middle row, a last row
+    with torch.no_grad():
+        full_caches, caches = new_caches(draft), new_caches(draft)
+        full = draft(ids, hidden, positions, full_caches, meta())
+        step = meta()
+        out = draft.forward_selected(ids, hidden, positions, caches, step, RowSelection.of(step, rows))
+    assert out.shape == (len(rows), model.config.hidden_size)
+    torch.testing.assert_close(out, full[rows], rtol=1e-5, atol=1e-5)
+    for name in full_caches[0]:
+        assert torch.equal(caches[0][name], full_caches[0][name]), name
 
 
 def write_exported(src, dst):

@@ -53,6 +53,9 @@ def test_round_trip_keeps_every_field():
     )
     for plan in others:
         assert StepPlan.decode(plan.encode()) == plan
+    draft = random_plan(rng, DRAFT)
+    draft.select_rows = [draft.num_tokens - 1, 0]  # a draft pass whose output is these rows only
+    assert StepPlan.decode(draft.encode()) == draft
 
 
 def test_plan_gives_the_models_attention_metadata():
@@ -74,6 +77,8 @@ def test_plan_gives_the_models_attention_metadata():
         (dict(target=DRAFT, hidden_source=HIDDEN_SENT, hidden_count=999, hidden_size=8), "StepPlan.hidden_count"),
         (dict(dtype=torch.int8), "StepPlan.dtype"),
         (dict(kind=9), "StepPlan.kind 9"),
+        (dict(select_rows=[0]), "only a draft forward selects rows"),
+        (dict(target=DRAFT, hidden_rows=[0] * 99, select_rows=[99]), r"StepPlan.select_rows \[99\]"),
     ],
 )
 def test_inconsistent_plans_are_rejected_by_field(change, needle):
@@ -89,7 +94,7 @@ def test_damaged_payloads_are_rejected():
     with pytest.raises(ValueError, match="trailing"):
         StepPlan.decode(torch.cat([payload, torch.tensor([7])]))
     with pytest.raises(ValueError, match="version"):
-        StepPlan.decode(torch.tensor([42] * 11))
+        StepPlan.decode(torch.tensor([42] * 12))
 
 
 def test_broadcast_reaches_every_rank_unchanged(start_rank, free_port):
