@@ -8,6 +8,12 @@
 // Every row's sums run in the same order whatever the batch, so a token's logits do not depend on
 // which other tokens share its step. The same panels serve a MoE layer's routed experts
 // (moe_experts): each chosen expert's weights are read in place, for its tokens only.
+//
+// Panels are float32, or bfloat16 where every weight is exactly a bfloat16 value (a checkpoint
+// stored in bfloat16 and loaded as float32): widening a bfloat16 to float32 is exact, so the
+// products are bit for bit those of the float32 panels, from half the bytes. A decode step of a
+// small model reads its weights from the CPU's caches and memory faster than it multiplies them
+// only if there are few of them to read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -15,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -30,8 +37,15 @@ constexpr int64_t kMaxRows = 256;
 // as fast or faster (hack/bench_cpu_gemm.py): at::linear.
 constexpr int64_t kGemvElements = int64_t{8} << 20;
 
-template <int M>
-void panel_rows(const float* x, int64_t ldx, const float* panel, const float* bias, float* y, int64_t ldy,
+// Eight weights of a panel row as float32: read as they are, or widened from bfloat16 (exact).
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const uint16_t* w) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+template <int M, typename W>
+void panel_rows(const float* x, int64_t ldx, const W* panel, const float* bias, float* y, int64_t ldy,
                 int64_t in_features, int64_t valid) {
   __m256 lo[M], hi[M];
 #pragma GCC unroll 4
@@ -40,8 +54,8 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, const float* bi
     hi[r] = _mm256_setzero_ps();
   }
   for (int64_t i = 0; i < in_features; ++i) {
-    const __m256 w_lo = _mm256_loadu_ps(panel + i * kPanel);
-    const __m256 w_hi = _mm256_loadu_ps(panel + i * kPanel + 8);
+    const __m256 w_lo = load8(panel + i * kPanel);
+    const __m256 w_hi = load8(panel + i * kPanel + 8);
 #pragma GCC unroll 4
     for (int r = 0; r < M; ++r) {
       const __m256 v = _mm256_broadcast_ss(x + r * ldx + i);
@@ -67,10 +81,11 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, const float* bi
 
 // y[rows, out_features] (row stride out_features) = x[rows, in_features] times the packed panels
 // [begin, end) of a weight (+ bias), each panel read once per group of up to kRows rows.
-void multiply_panels(const float* x, int64_t rows, int64_t in_features, const float* packed, int64_t out_features,
+template <typename W>
+void multiply_panels(const float* x, int64_t rows, int64_t in_features, const W* packed, int64_t out_features,
                      const float* bias, float* y, int64_t begin, int64_t end) {
   for (int64_t p = begin; p < end; ++p) {
-    const float* panel = packed + p * in_features * kPanel;
+    const W* panel = packed + p * in_features * kPanel;
     const int64_t col = p * kPanel;
     const int64_t valid = std::min(kPanel, out_features - col);
     const float* pb = bias != nullptr ? bias + col : nullptr;
@@ -92,14 +107,39 @@ int64_t grain_for(int64_t rows, int64_t in_features) {
   return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * in_features * kPanel));
 }
 
+bool panel_dtype(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+
+// Calls f with the panels' first weight as `const float*` or, for bfloat16 panels, `const uint16_t*`.
+template <typename F>
+void with_panels(const at::Tensor& packed, int64_t offset, F&& f) {
+  if (packed.scalar_type() == at::kBFloat16) {
+    f(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()) + offset);
+  } else {
+    f(packed.data_ptr<float>() + offset);
+  }
+}
+
+// Calls f with an expert's gate/up and down panels (one dtype, checked by check_packed_experts), from
+// the given element offsets.
+template <typename F>
+void with_expert_panels(const at::Tensor& w13, int64_t offset13, const at::Tensor& w2, int64_t offset2, F&& f) {
+  if (w13.scalar_type() == at::kBFloat16) {
+    f(reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>()) + offset13,
+      reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>()) + offset2);
+  } else {
+    f(static_cast<const float*>(w13.data_ptr<float>()) + offset13,
+      static_cast<const float*>(w2.data_ptr<float>()) + offset2);
+  }
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
               "packed_linear: input must be a float32 CPU tensor, got ", x.scalar_type(), " on ", x.device());
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) > 0 && packed.size(2) == kPanel && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kFloat,
-              "packed_linear: packed weight must be a contiguous float32 [panels, in_features, 16] tensor, got ",
-              packed.sizes());
+                  panel_dtype(packed),
+              "packed_linear: packed weight must be a contiguous float32 or bfloat16 [panels, in_features, 16] "
+              "tensor, got ", packed.scalar_type(), " ", packed.sizes());
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == packed.size(1) && weight.size(0) <= packed.size(0) * kPanel,
               "packed_linear: weight ", weight.sizes(), " does not match its packed panels ", packed.sizes());
   const int64_t out_features = weight.size(0), in_features = packed.size(1);
@@ -121,12 +161,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const at
   at::Tensor y = at::empty({rows, out_features}, x.options());
   if (rows > 0) {
     const float* xp = input.data_ptr<float>();
-    const float* wp = packed.data_ptr<float>();
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
     const int64_t panels = (out_features + kPanel - 1) / kPanel;
-    at::parallel_for(0, panels, grain_for(rows, in_features), [&](int64_t begin, int64_t end) {
-      multiply_panels(xp, rows, in_features, wp, out_features, bp, yp, begin, end);
+    with_panels(packed, 0, [&](const auto* wp) {
+      at::parallel_for(0, panels, grain_for(rows, in_features), [&](int64_t begin, int64_t end) {
+        multiply_panels(xp, rows, in_features, wp, out_features, bp, yp, begin, end);
+      });
     });
   }
   return y.view(shape);
@@ -139,8 +180,9 @@ struct ExpertBuffers {
   std::vector<float> rows, gate_up, act, down;
 };
 
-void add_expert(const float* x, int64_t hidden, const int64_t* tok, const float* wt, int64_t m, const float* w13,
-                const float* w2, int64_t inter, ExpertBuffers& buf, float* out) {
+template <typename W>
+void add_expert(const float* x, int64_t hidden, const int64_t* tok, const float* wt, int64_t m, const W* w13,
+                const W* w2, int64_t inter, ExpertBuffers& buf, float* out) {
   if (tok != nullptr) buf.rows.resize(m * hidden);
   buf.gate_up.resize(m * 2 * inter);
   buf.act.resize(m * inter);
@@ -176,10 +218,12 @@ void add_expert(const float* x, int64_t hidden, const int64_t* tok, const float*
 
 void check_packed_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t hidden, const char* what) {
   for (const at::Tensor* w : {&w13, &w2}) {
-    TORCH_CHECK(w->dim() == 4 && w->size(3) == kPanel && w->is_contiguous() && w->scalar_type() == at::kFloat,
-                "moe_experts: packed ", what, " weights must be contiguous float32 [experts, panels, in_features, 16], "
-                "got ", w->sizes());
+    TORCH_CHECK(w->dim() == 4 && w->size(3) == kPanel && w->is_contiguous() && panel_dtype(*w),
+                "moe_experts: packed ", what, " weights must be contiguous float32 or bfloat16 [experts, panels, "
+                "in_features, 16], got ", w->scalar_type(), " ", w->sizes());
   }
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "moe_experts: packed ", what, " w13 is ", w13.scalar_type(),
+              " but w2 is ", w2.scalar_type());
   const int64_t inter = w2.size(2);
   TORCH_CHECK(w13.size(2) == hidden && w2.size(0) == w13.size(0) && w13.size(1) == (2 * inter + kPanel - 1) / kPanel &&
                   w2.size(1) == (hidden + kPanel - 1) / kPanel,
@@ -244,13 +288,16 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t m = start[e + 1] - start[e];
     if (m == 0) continue;
-    add_expert(xp, hidden, pair_token.data() + start[e], pair_weight.data() + start[e], m,
-               w13.data_ptr<float>() + e * w13.size(1) * hidden * kPanel,
-               w2.data_ptr<float>() + e * w2.size(1) * inter * kPanel, inter, buf, op);
+    with_expert_panels(w13, e * w13.size(1) * hidden * kPanel, w2, e * w2.size(1) * inter * kPanel,
+                       [&](const auto* gate_up, const auto* down) {
+                         add_expert(xp, hidden, pair_token.data() + start[e], pair_weight.data() + start[e], m,
+                                    gate_up, down, inter, buf, op);
+                       });
   }
   if (shared) {
-    add_expert(xp, hidden, nullptr, nullptr, tokens, shared_w13->data_ptr<float>(), shared_w2->data_ptr<float>(),
-               shared_w2->size(2), buf, op);
+    with_expert_panels(*shared_w13, 0, *shared_w2, 0, [&](const auto* gate_up, const auto* down) {
+      add_expert(xp, hidden, nullptr, nullptr, tokens, gate_up, down, shared_w2->size(2), buf, op);
+    });
   }
   return out;
 }

@@ -1,5 +1,9 @@
 """Packed float32 linear and MoE experts for AVX2 CPUs (cpu_gemm.cpp), built on first use, with a fallback.
 
+Panels are stored in bfloat16 when that loses nothing (every weight is a bfloat16 value, as when a
+bfloat16 checkpoint is loaded as float32): the kernel widens them exactly, so results are the same
+bits as from float32 panels, and a step reads half the bytes.
+
 `pack(weight)` returns the packed copy of a float32 CPU weight, or None where the kernel cannot run
 (another device or dtype, a CPU without AVX2/FMA, no C++ compiler, MTP_CPU_GEMM=0); `linear(x,
 weight, bias, packed)` uses the packed copy when there is one and `F.linear` otherwise, so callers
@@ -93,12 +97,23 @@ def _packable(weight: torch.Tensor) -> bool:
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
-    """[..., O, I] -> [..., ceil(O/16), I, 16] (output features zero-padded to whole panels)."""
+    """[..., O, I] -> [..., ceil(O/16), I, 16] (output features zero-padded to whole panels), in
+    bfloat16 when every weight is exactly a bfloat16 value, else float32."""
     *lead, out_features, in_features = weight.shape
     panels = -(-out_features // PANEL)
     padded = weight.new_zeros(*lead, panels * PANEL, in_features)
     padded[..., :out_features, :] = weight.detach()
-    return padded.view(*lead, panels, PANEL, in_features).transpose(-1, -2).contiguous()
+    packed = padded.view(*lead, panels, PANEL, in_features).transpose(-1, -2).contiguous()
+    narrow = packed.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.float(), packed) else packed
+
+
+def matching(first: torch.Tensor | None, second: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Two packed weights one expert uses together (gate/up and down), in one dtype: float32 unless
+    both could be bfloat16."""
+    if first is None or second is None or first.dtype == second.dtype:
+        return first, second
+    return first.float(), second.float()
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -185,6 +185,7 @@ class RoutedExperts(nn.Module):
     def pack_weights(self) -> None:
         self.w13_packed = cpu_gemm.pack_experts(self.w13.detach())
         self.w2_packed = cpu_gemm.pack_experts(self.w2.detach()) if self.w13_packed is not None else None
+        self.w13_packed, self.w2_packed = cpu_gemm.matching(self.w13_packed, self.w2_packed)
         if self.w13_packed is not None:
             self.w2_stacked = None  # the kernel replaces the dense path
 
@@ -272,7 +273,7 @@ class MoE(nn.Module):
         w2 = cpu_gemm.pack_experts(shared.down_proj.weight.detach()[None])
         if w13 is None or w2 is None:
             return
-        self.shared_packed = (w13, w2)
+        self.shared_packed = cpu_gemm.matching(w13, w2)
         # The shared MLP now runs on its own only for eager chunks over PACKED_MAX_TOKENS, where its
         # packed linears would hand over to at::linear anyway: drop their copies.
         shared.gate_up_packed = None

@@ -106,3 +106,30 @@ def test_mismatched_shapes_are_errors_that_name_the_op(pack_all):
         torch.ops.mtp_runtime.packed_linear(torch.randn(2, 16), torch.randn(64, 16), packed, None)
     with pytest.raises(RuntimeError, match="packed_linear: bias must be float32 with 32 values"):
         cpu_gemm.linear(torch.randn(2, 16), weight, torch.randn(31), packed)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_bfloat16_valued_weights_pack_to_bfloat16_with_the_same_bits(pack_all, rows):
+    """A bfloat16 checkpoint loaded as float32: half the bytes, the float32 panels' exact results."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 72, generator=gen).to(torch.bfloat16).float()
+    bias, x = torch.randn(200, generator=gen), torch.randn(rows, 72, generator=gen)
+    packed = pack_all(weight)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (13, 72, 16)
+    got = cpu_gemm.linear(x, weight, bias, packed)
+    assert torch.equal(got, cpu_gemm.linear(x, weight, bias, packed.float()))
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    # one weight off the bfloat16 grid keeps the whole weight in float32
+    weight[3, 5] += 1e-4
+    assert pack_all(weight).dtype == torch.float32
+
+
+def test_expert_weights_pack_in_one_dtype_per_pair(pack_all):
+    narrow = cpu_gemm.pack_experts(torch.randn(2, 32, 16).to(torch.bfloat16).float())
+    wide = cpu_gemm.pack_experts(torch.randn(2, 16, 16))
+    assert (narrow.dtype, wide.dtype) == (torch.bfloat16, torch.float32)
+    assert [t.dtype for t in cpu_gemm.matching(narrow, wide)] == [torch.float32, torch.float32]
+    assert cpu_gemm.matching(narrow, narrow) == (narrow, narrow)
+    x, weights, ids = torch.randn(3, 16), torch.rand(3, 1), torch.tensor([[0], [1], [0]])
+    with pytest.raises(RuntimeError, match="w13 is BFloat16 but w2 is Float"):
+        cpu_gemm.moe_experts(x, weights, ids, narrow, wide, 0)

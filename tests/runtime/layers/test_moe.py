@@ -87,6 +87,22 @@ def test_packed_kernel_matches_per_expert_loop(kernel, num_tokens, ep_rank):
     assert torch.equal(experts(x[:1], weights[:1], ids[:1]), out[:1])
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_packed_kernel_on_bfloat16_valued_experts_reads_bfloat16_panels(kernel, num_tokens):
+    """Experts of a bfloat16 checkpoint: bfloat16 panels (half the bytes), the same bits as float32 panels."""
+    experts, x, weights, ids = experts_and_routing(num_tokens, seed=3)
+    with torch.no_grad():
+        experts.w13.copy_(experts.w13.to(torch.bfloat16).float())
+        experts.w2.copy_(experts.w2.to(torch.bfloat16).float())
+    looped = experts._forward_per_expert(x, weights, ids)
+    experts.pack_weights()
+    assert experts.w13_packed.dtype == experts.w2_packed.dtype == torch.bfloat16
+    out = experts(x, weights, ids)
+    wide = cpu_gemm.moe_experts(x, weights, ids, experts.w13_packed.float(), experts.w2_packed.float(), 0)
+    assert torch.equal(out, wide)
+    assert torch.allclose(out, looped, atol=1e-5) and looped.abs().max() > 0
+
+
 def test_packed_kernel_gives_zeros_to_tokens_with_no_local_expert(kernel):
     experts, x, weights, ids = experts_and_routing(2, ParallelState(ep_rank=1, ep_size=2), seed=1)
     experts.pack_weights()
