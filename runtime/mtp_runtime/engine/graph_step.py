@@ -31,6 +31,7 @@ much as running them).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -43,6 +44,11 @@ from mtp_runtime.models.graph import compile_failure, compile_method
 # than its per-forward graphs at batch 4 and above (hack/bench_engine.py --enable-graph: 301 vs 387-443
 # tokens/s at batch 4), for a reason not yet found, so GLM keeps the per-forward path.
 ONE_CALL_ARCHS = ("deepseek_v3",)
+
+log = logging.getLogger("mtp_runtime.engine")
+
+# What dynamo raises when, with guard evaluation skipped, no compiled graph fits a call.
+_UNWARMED_SHAPE = "Recompilation triggered with skip_guard_eval_unsafe"
 
 
 class StepMetadata:
@@ -145,27 +151,45 @@ class GreedyDecodeStep:
         # same way each step (same dtypes, devices, caches and modules); only the guards that told
         # the warm-up's graphs apart (the batch-size thresholds) are checked. A batch shape no
         # graph covers still compiles one.
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self._fn(plan, main_caches, draft_caches)
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._fn(plan, main_caches, draft_caches)
+        except RuntimeError as exc:  # raised before the graph runs: no cache slot was written
+            if _UNWARMED_SHAPE not in str(exc):
+                raise
+        log.warning("graph mode: no decode-step graph from the warm-up fits a batch of %d sequence(s) with "
+                    "block tables %d wide; compiling one now", plan.shape[0], plan.shape[1] - self.k - 2)
+        return self._fn(plan, main_caches, draft_caches)
 
     def warm_up(self, batch_sizes: list[int], num_blocks: int, main_caches: list, draft_caches: list,
                 device: torch.device) -> float:
         """Compile the step for each batch size on dummy tokens in the first blocks (no sequence owns
-        a block yet, and a slot is written before it is read); returns the seconds it took."""
+        a block yet, and a slot is written before it is read); returns the seconds it took.
+
+        Each batch size runs with block tables several blocks wide and, where a sequence can fit in
+        one block, one block wide: a size of 1 is a case of its own to the compiler."""
         start = time.perf_counter()
-        n = self.k + 1
-        longest = 8 + 7 + 2 * n  # cached lengths 8..15, the verify positions, the draft chain's overhang
-        blocks = -(-longest // self.block_size)
         try:
             for b in batch_sizes:
-                rows = [self.plan(8 + i % 8, [1] * n, [(i * blocks + j) % num_blocks for j in range(blocks)],
-                                  blocks) for i in range(b)]
-                self(torch.tensor(rows, dtype=torch.long, device=device), main_caches, draft_caches)
+                for width, cached in self._warm_up_tables():
+                    rows = [self.plan(cached[i % len(cached)], [1] * (self.k + 1),
+                                      [(i * width + j) % num_blocks for j in range(width)], width) for i in range(b)]
+                    self(torch.tensor(rows, dtype=torch.long, device=device), main_caches, draft_caches)
         except Exception as exc:
             raise compile_failure("the decode step", exc) from exc
         self._warm = True
         return time.perf_counter() - start
 
+    def _warm_up_tables(self) -> list[tuple[int, list[int]]]:
+        """(table width, cached lengths) the warm-up runs. A decode step writes the slots from a
+        sequence's cached length up to 2k past it (the k+1 verified positions, then the draft
+        chain's k-1; one slot for k = 0), and the scheduler gives it the blocks for exactly those."""
+        span = 2 * self.k if self.k else 1
+        wide = -(-(15 + span) // self.block_size)  # cached lengths 8..15
+        tables = [(max(wide, 2), list(range(8, 16)))]
+        if self.block_size - span >= 1:  # a sequence of a few tokens fits one block
+            tables.append((1, list(range(1, self.block_size - span + 1))))
+        return tables
 
 def warm_up_batch_sizes(max_seqs: int) -> list[int]:
     """1, 2, 3, 4, 6, 8, 12, 16, ... up to max_seqs (and max_seqs itself). A compiled step's graphs

@@ -85,11 +85,12 @@ def test_greedy_output_is_identical_to_plain_decoding(kit, tiny_models, arch, k,
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
-def test_graph_mode_output_is_identical_to_plain_decoding(kit, tiny_models, arch):
+def test_graph_mode_output_is_identical_to_plain_decoding(kit, tiny_models, arch, caplog):
     """--enable_graph: decode, verify and draft steps run compiled; the output does not change."""
     spec = SCENARIOS["mixed-chunked-prefix"]
     expected = reference(kit, tiny_models, arch, "mixed-chunked-prefix")
-    engine = kit.make_engine(tiny_models[arch], 2, enable_graph=True, **spec["options"])
+    # 8-token blocks: the short prompts below decode their first tokens with one-block tables
+    engine = kit.make_engine(tiny_models[arch], 2, enable_graph=True, block_size=8, **spec["options"])
     assert engine.runner.main.graph_enabled and engine.runner.draft.graph_enabled
     assert engine.runner.graph_warm_up_s > 0
     compiled_step, one_call_batches = engine.runner.decode_step, []
@@ -106,6 +107,12 @@ def test_graph_mode_output_is_identical_to_plain_decoding(kit, tiny_models, arch
     assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
     if one_call:
         assert len(one_call_batches) > 5 and max(one_call_batches) > 1, "no greedy decode step ran as one call"
+    # A prompt of a token or two, alone in the engine: its steps' block tables are one block wide
+    short = {"s0": ([7, 9], greedy(10)), "s1": ([11], greedy(6))}
+    plain = kit.make_engine(tiny_models[arch], 0, enable_prefix_cache=False)
+    for rid, request in short.items():
+        assert kit.run_requests(engine, {rid: request}) == kit.run_requests(plain, {rid: request})
+    assert "no decode-step graph from the warm-up fits" not in caplog.text, "the warm-up missed a step shape"
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
 

@@ -120,6 +120,43 @@ def test_step_metadata_is_decode_only_and_warm_up_crosses_every_batch_threshold(
     assert all(any(b <= w <= 1.5 * b for w in sizes) for b in range(1, 101))
 
 
+@pytest.mark.parametrize("k,block_size,one_block", [(0, 16, True), (2, 16, True), (3, 6, False), (3, 8, True), (1, 4, True),
+                                                     (2, 4, False), (3, 128, True)])
+def test_decode_step_warm_up_covers_one_block_tables_where_a_sequence_fits_one(k, block_size, one_block):
+    step = GreedyDecodeStep(None, object() if k else None, k, block_size, compile_graph=False)
+    tables = step._warm_up_tables()
+    span = 2 * k if k else 1  # slots a decode step writes past the cached length (scheduler._slots_after_step)
+    assert any(width == 1 for width, _ in tables) == one_block
+    assert any(width > 1 for width, _ in tables)
+    for width, cached in tables:
+        assert cached and min(cached) >= 1
+        assert max(cached) + span <= width * block_size, "a warm-up row writes past its block table"
+
+
+def test_decode_step_compiles_a_shape_the_warm_up_missed_instead_of_failing(caplog):
+    step = GreedyDecodeStep(None, None, 0, 16, compile_graph=False)
+    calls = []
+
+    def compiled(plan, main_caches, draft_caches):
+        calls.append(plan.shape)
+        if len(calls) == 1:
+            raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance. This usually means ...")
+        return "ran"
+
+    step._fn, step._warm = compiled, True
+    plan = torch.zeros(3, 4, dtype=torch.long)
+    with caplog.at_level("WARNING", logger="mtp_runtime.engine"):
+        assert step(plan, [], []) == "ran"
+    assert len(calls) == 2 and "3 sequence(s) with block tables 2 wide" in caplog.text
+
+    def broken(plan, main_caches, draft_caches):
+        raise RuntimeError("shape mismatch in the graph")
+
+    step._fn = broken
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        step(plan, [], [])
+
+
 def test_cache_sizes_follow_the_model_spec(kit, tiny_models):
     engine = kit.make_engine(tiny_models["deepseek_v3"], 1, num_kv_blocks=40)
     runner = engine.runner
