@@ -279,7 +279,9 @@ class ModelRunner:
         if not samplers:  # chunks of prompts still prefilling: their keys only
             self.draft(*args, meta)
             return
-        if self.draft.graph_enabled and meta.decode_batch() is not None:  # the compiled draft forward, every row
+        padded = meta.decode_batch()
+        if self.draft.graph_enabled and padded is not None and padded.n <= self.k + 1:
+            # verify rows: the compiled draft forward over every row costs less than selecting in eager
             h = self.draft(*args, meta)[self._tensor(last_rows)]
         else:
             # Every row's key enters the cache; only each sampling sequence's last final position attends

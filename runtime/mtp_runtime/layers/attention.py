@@ -78,8 +78,8 @@ class AttentionMetadata:
             yield slice(start, end), positions, self.context_slots(i, device)
 
     def decode_batch(self) -> "DecodeBatch | None":
-        """The step as a padded batch when every sequence has at most DECODE_MAX_NEW new tokens, else
-        None. Built once per forward and shared by every layer."""
+        """The step as a padded batch (DecodeBatch.build says when), else None. Built once per forward
+        and shared by every layer."""
         if self._decode_batch is False:
             self._decode_batch = DecodeBatch.build(self)
         return self._decode_batch
@@ -128,8 +128,11 @@ class RowSelection:
         return cls(torch.tensor(rows, dtype=torch.long, device=meta.slot_mapping.device), meta.select(rows))
 
 
-# Sequences with more new tokens than this (prefill chunks) attend one by one.
+# A step whose sequences bring at most this many new tokens each (decode, verify, drafting) always
+# attends as one padded batch; a step with longer chunks (prefill) does when padding at most
+# doubles its attention work (PADDED_WORK_LIMIT), else sequence by sequence.
 DECODE_MAX_NEW = 16
+PADDED_WORK_LIMIT = 2.0
 
 
 @dataclass
@@ -168,11 +171,14 @@ class DecodeBatch:
     def build(cls, meta: AttentionMetadata) -> "DecodeBatch | None":
         qsl, ctx_lens = meta.query_start_loc, meta.context_lens
         news = [qsl[i + 1] - qsl[i] for i in range(len(ctx_lens))]
-        if not news or max(news) > DECODE_MAX_NEW or min(news) == 0:
+        if not news or min(news) == 0:
             return None
-        device = meta.slot_mapping.device
         bs = meta.block_size
         n, width = max(news), -(-max(ctx_lens) // bs)
+        if n > DECODE_MAX_NEW and len(news) * n * width * bs > PADDED_WORK_LIMIT * sum(
+                new * ctx for new, ctx in zip(news, ctx_lens)):
+            return None  # e.g. a prompt chunk beside decodes: most of the padded batch would be padding
+        device = meta.slot_mapping.device
         blocks: list[int] = []
         rows: list[int] = []
         index: list[int] = []

@@ -3,11 +3,12 @@
 A decode step of a small MoE model is a few hundred tiny ops per layer; run
 one by one from Python, launching them costs more than computing them.
 `torch.compile` (inductor) turns the step into a few fused kernels. Only
-steps whose attention is one padded batch (every sequence brings at most
-DECODE_MAX_NEW tokens: decode, verify, MTP drafting) take the graph; prefill
-chunks stay eager, since their per-sequence attention would unroll into a new
-graph for every batch shape. Shapes are dynamic, so batch size, tokens per
-sequence and context length do not each compile a graph of their own.
+steps whose attention is one padded batch (layers.attention.DecodeBatch:
+decode, verify, MTP drafting, and prompt chunks of similar lengths, such as a
+prompt prefilled alone) take the graph; other steps stay eager, since their
+per-sequence attention would unroll into a new graph for every batch shape.
+Shapes are dynamic, so batch size, tokens per sequence and context length do
+not each compile a graph of their own.
 
 The first steps of each kind pay the compile time; `warm_up` runs them at
 start-up so a server is ready only once its graphs exist.
@@ -78,9 +79,11 @@ def warm_up_shapes(k: int) -> list[tuple[list[int], list[int]]]:
     """(new tokens per sequence, context length per sequence) of the step kinds an engine with k
     drafts runs: decode at equal and unequal lengths, verify, and a mix of both (a sequence just out
     of prefill verifies nothing yet), a batch large enough for the MoE's many-pairs path (a graph of
-    its own); the draft's first pass has 1..k+1 tokens per sequence."""
+    its own), prompt chunks (a first chunk, a later one, two together); the draft's first pass has
+    1..k+1 tokens per sequence."""
     shapes = [([1], [9]), ([1, 1], [9, 9]), ([1, 1, 1], [9, 10, 11]),
-              ([1] * 9, list(range(9, 18)))]  # enough tokens for the MoE's many-pairs path
+              ([1] * 9, list(range(9, 18))),  # enough tokens for the MoE's many-pairs path
+              ([24], [24]), ([20], [44]), ([18, 20], [18, 20])]
     if k:
         shapes += [([k + 1], [9 + k]), ([k + 1, k + 1], [9 + k, 10 + k]), ([1, k + 1, 2], [9, 10 + k, 12]),
                    ([2], [10])]

@@ -82,9 +82,39 @@ def test_decode_batch_matches_per_sequence_attention_shared_latent():
     assert torch.allclose(got, expected, atol=1e-6)
 
 
-def test_decode_batch_is_only_for_short_steps():
-    assert AttentionMetadata.for_sequence(0, DECODE_MAX_NEW + 1, 4).decode_batch() is None  # a prefill chunk
+def test_decode_batch_takes_prompt_chunks_only_where_padding_costs_little():
     assert AttentionMetadata.for_sequence(10, DECODE_MAX_NEW, 4).decode_batch() is not None
+    alone = AttentionMetadata.for_sequence(0, 40, 4).decode_batch()  # a prompt prefilled alone: no padding
+    assert alone is not None and alone.n == 40 and alone.num_keys == 40
+    assert AttentionMetadata.for_sequence(20, 37, 4).decode_batch() is not None  # a later chunk of a prompt
+
+    def step(news, ctx_lens):
+        qsl = [0]
+        for n in news:
+            qsl.append(qsl[-1] + n)
+        tables = [list(range(i * 20, i * 20 + -(-c // 4))) for i, c in enumerate(ctx_lens)]
+        return AttentionMetadata(qsl, ctx_lens, tables, torch.zeros(qsl[-1], dtype=torch.long), 4)
+
+    assert step([30, 28], [30, 32]).decode_batch() is not None  # two prompts of similar lengths
+    # a prompt chunk beside decodes (4 x 40 padded queries for 40 + 3): sequence by sequence
+    assert step([40, 1, 1, 1], [40, 60, 61, 62]).decode_batch() is None
+    # a short chunk at the end of a long context next to a long one: the padding would more than double
+    assert step([40, 17], [40, 100]).decode_batch() is None
+    # decode steps always batch, whatever their contexts
+    assert step([1, 3, 2], [5, 200, 7]).decode_batch() is not None
+
+
+def test_decode_batch_of_prompt_chunks_matches_per_sequence_attention():
+    # two prompts prefilling together: 9 new tokens of 12 (3 cached), and 8 of 8, blocks of 4
+    meta = AttentionMetadata([0, 9, 17], [12, 8], [[5, 1, 0], [3, 6]], torch.arange(17), 4)
+    batch = meta.decode_batch()
+    assert batch is not None and batch.num_seqs == 2 and batch.n == 9 and batch.num_keys == 12
+    gen = torch.Generator().manual_seed(2)
+    latent = torch.randn(7, 4, 10, generator=gen)
+    q = torch.randn(17, 4, 10, generator=gen)
+    got = attend_decode_batch_shared(batch, q, batch.keys(latent), 6, 0.3)
+    expected = _per_sequence(meta, q, latent.unsqueeze(2), latent[..., :6].unsqueeze(2))
+    assert torch.allclose(got, expected, atol=1e-6)
 
 
 def test_select_gives_each_row_its_own_position_and_context():
