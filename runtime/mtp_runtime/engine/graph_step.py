@@ -191,6 +191,7 @@ class GreedyDecodeStep:
             tables.append((1, list(range(1, self.block_size - span + 1))))
         return tables
 
+
 def warm_up_batch_sizes(max_seqs: int) -> list[int]:
     """1, 2, 3, 4, 6, 8, 12, 16, ... up to max_seqs (and max_seqs itself). A compiled step's graphs
     differ only at batch-size thresholds (the MoE's path per token count), and this sequence steps

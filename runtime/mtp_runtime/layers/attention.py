@@ -130,9 +130,12 @@ class RowSelection:
 
 # A step whose sequences bring at most this many new tokens each (decode, verify, drafting) always
 # attends as one padded batch; a step with longer chunks (prefill) does when padding at most
-# doubles its attention work (PADDED_WORK_LIMIT), else sequence by sequence.
+# doubles its attention work (PADDED_WORK_LIMIT) and it has at most PADDED_PREFILL_MAX_TOKENS new
+# tokens (graph mode compiles for steps up to that size; a larger one would stall on a new graph),
+# else sequence by sequence.
 DECODE_MAX_NEW = 16
 PADDED_WORK_LIMIT = 2.0
+PADDED_PREFILL_MAX_TOKENS = 256
 
 
 @dataclass
@@ -175,8 +178,8 @@ class DecodeBatch:
             return None
         bs = meta.block_size
         n, width = max(news), -(-max(ctx_lens) // bs)
-        if n > DECODE_MAX_NEW and len(news) * n * width * bs > PADDED_WORK_LIMIT * sum(
-                new * ctx for new, ctx in zip(news, ctx_lens)):
+        if n > DECODE_MAX_NEW and (sum(news) > PADDED_PREFILL_MAX_TOKENS or len(news) * n * width * bs > (
+                PADDED_WORK_LIMIT * sum(new * ctx for new, ctx in zip(news, ctx_lens)))):
             return None  # e.g. a prompt chunk beside decodes: most of the padded batch would be padding
         device = meta.slot_mapping.device
         blocks: list[int] = []

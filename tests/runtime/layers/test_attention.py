@@ -100,6 +100,9 @@ def test_decode_batch_takes_prompt_chunks_only_where_padding_costs_little():
     assert step([40, 1, 1, 1], [40, 60, 61, 62]).decode_batch() is None
     # a short chunk at the end of a long context next to a long one: the padding would more than double
     assert step([40, 17], [40, 100]).decode_batch() is None
+    # many prompts at once (more new tokens than graph mode compiles for): sequence by sequence
+    assert step([130, 130], [130, 130]).decode_batch() is None
+    assert AttentionMetadata.for_sequence(0, 257, 4).decode_batch() is None
     # decode steps always batch, whatever their contexts
     assert step([1, 3, 2], [5, 200, 7]).decode_batch() is not None
 
