@@ -5,10 +5,10 @@
 `ctx.rank` is an int for one concrete process (the local backend, tests) or
 None for the rank-independent pod template, where the rank arrives in the
 MTP_NODE_RANK environment variable (Kubernetes expands `$(MTP_NODE_RANK)` in
-args). Only vLLM needs different flags per rank (`--headless` and the DP start
-rank on non-zero ranks); its template is a fixed `sh -c` program that receives
-every user value as a positional argument, so nothing from the spec is ever
-parsed by a shell.
+args). vLLM needs different flags per rank (`--headless` and the DP start rank
+on non-zero ranks) and xLLM one process per device; their templates are fixed
+`sh -c` programs that receive every user value as a positional argument, so
+nothing from the spec is ever parsed by a shell.
 """
 
 from __future__ import annotations
@@ -58,31 +58,75 @@ def _rank_text(ctx: LaunchContext) -> str:
     return RANK_FROM_ENV if ctx.rank is None else str(ctx.rank)
 
 
+def _master_flag(spec: MtpDeploymentSpec, ctx: LaunchContext) -> str:
+    return _flag("master_node_addr", f"{ctx.master_host}:{spec.ports.master}")
+
+
+def _one_process_flags(ctx: LaunchContext) -> list[str]:
+    return [_flag("devices", ctx.devices), _flag("draft_devices", ctx.devices), _flag("port", ctx.http_port),
+            _flag("nnodes", ctx.nnodes), _flag("node_rank", _rank_text(ctx))]
+
+
+# Both the builtin runtime and xLLM run one process per device (xLLM's
+# published launch script starts 16 of them for 16 NPUs): `--nnodes` counts
+# processes, `--node_rank` is the global process index, and each process has
+# its own port. A pod with C devices runs C processes, each under a subshell
+# that forwards SIGTERM to it; when one exits, the script stops the others and
+# fails, so the container restarts and the gang restart sees it. Arguments: C,
+# total processes, pod rank, first port, device kind, then the shared argv as
+# "$@" (never parsed by the shell).
+PER_DEVICE_SCRIPT = (
+    'c=$1; total=$2; rank=$3; port=$4; kind=$5; shift 5; self=$$; pids=; '
+    'trap \'trap "" TERM INT; kill -TERM $pids 2>/dev/null; wait; exit 1\' TERM INT; '
+    'i=0; while [ "$i" -lt "$c" ]; do '
+    '( "$@" "--devices=$kind:$i" "--draft_devices=$kind:$i" "--port=$((port + i))" '
+    '"--nnodes=$total" "--node_rank=$((rank * c + i))" & p=$!; '
+    'trap \'kill -TERM $p 2>/dev/null\' TERM; wait $p; wait $p; kill -TERM $self ) & '
+    'pids="$pids $!"; i=$((i + 1)); done; wait; exit 1'
+)
+
+
+def kubernetes_escaped(script: str) -> str:
+    """A container arg the kubelet turns back into `script`: it reads `$$` as `$`
+    and would expand `$(NAME)`, so every `$` is doubled."""
+    return script.replace("$", "$$")
+
+
+def devices_per_process(ctx: LaunchContext) -> int:
+    """Devices of one pod (or local rank) that each get a process of their own."""
+    return len(ctx.devices.split(","))
+
+
+def _per_device(shared: list[str], ctx: LaunchContext) -> list[str]:
+    count = devices_per_process(ctx)
+    script = PER_DEVICE_SCRIPT if ctx.rank is not None else kubernetes_escaped(PER_DEVICE_SCRIPT)
+    kind = ctx.devices.split(":")[0]
+    return ["/bin/sh", "-c", script, "per-device", str(count), str(ctx.nnodes * count), _rank_text(ctx),
+            str(ctx.http_port), kind, *shared]
+
+
 def builtin_argv(spec: MtpDeploymentSpec, ctx: LaunchContext) -> list[str]:
-    argv = [
-        "mtp", "serve", _flag("model", spec.model.path), _flag("draft_model", ctx.draft_model_path),
-        _flag("num_speculative_tokens", spec.speculative.num_speculative_tokens),
-        _flag("devices", ctx.devices), _flag("draft_devices", ctx.devices),
-        _flag("host", "0.0.0.0"), _flag("port", ctx.http_port),
-    ]
+    shared = ["mtp", "serve", _flag("model", spec.model.path), _flag("draft_model", ctx.draft_model_path),
+              _flag("num_speculative_tokens", spec.speculative.num_speculative_tokens), _flag("host", "0.0.0.0")]
+    tail = _serve_flags(spec) + list(spec.extra_args)
+    if devices_per_process(ctx) > 1:
+        return _per_device([*shared, _master_flag(spec, ctx), *tail], ctx)
     if ctx.nnodes > 1:
-        argv += [_flag("master_node_addr", f"{ctx.master_host}:{spec.ports.master}"),
-                 _flag("nnodes", ctx.nnodes), _flag("node_rank", _rank_text(ctx))]
-    return argv + _serve_flags(spec) + list(spec.extra_args)
+        return shared + [_master_flag(spec, ctx)] + _one_process_flags(ctx) + tail
+    return shared + _one_process_flags(ctx)[:3] + tail  # one process: no rendezvous
 
 
 def xllm_argv(spec: MtpDeploymentSpec, ctx: LaunchContext) -> list[str]:
     # Flag names as in xLLM's published DeepSeek MTP launch script.
-    argv = [
-        "xllm", _flag("model", spec.model.path), _flag("devices", ctx.devices), _flag("port", ctx.http_port),
-        _flag("master_node_addr", f"{ctx.master_host}:{spec.ports.master}"), _flag("nnodes", ctx.nnodes),
-        _flag("node_rank", _rank_text(ctx)), _flag("draft_model", ctx.draft_model_path),
-        _flag("draft_devices", ctx.devices),
-        _flag("num_speculative_tokens", spec.speculative.num_speculative_tokens),
-    ]
+    shared = ["xllm", _flag("model", spec.model.path), _master_flag(spec, ctx),
+              _flag("draft_model", ctx.draft_model_path),
+              _flag("num_speculative_tokens", spec.speculative.num_speculative_tokens)]
     if ctx.devices.startswith("npu"):
-        argv.append(_flag("communication_backend", "hccl"))
-    return argv + _serve_flags(spec) + list(spec.extra_args)
+        shared.append(_flag("communication_backend", "hccl"))
+    tail = _serve_flags(spec) + list(spec.extra_args)
+    if devices_per_process(ctx) > 1:
+        return _per_device(shared + tail, ctx)
+    return shared + _one_process_flags(ctx) + tail
 
 
 def vllm_layout(spec: MtpDeploymentSpec, devices_per_node: int) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ SETTINGS = OperatorSettings(image_pull_secrets=("regcred",))
 VARIANTS = {
     "builtin-cpu": {},
     "builtin-npu": {"accelerator": {"resourceName": "huawei.com/Ascend910", "count": 8}},
+    "builtin-gpu": {"accelerator": {"resourceName": "nvidia.com/gpu", "count": 4}},
     "xllm-npu": {"engine": "xllm", "accelerator": {"resourceName": "huawei.com/Ascend910", "count": 8}},
     "vllm-gpu": {"engine": "vllm", "accelerator": {"resourceName": "nvidia.com/gpu", "count": 8},
                  "service": {"type": "LoadBalancer"}},

@@ -83,3 +83,26 @@ def test_draft_provided_and_observed_generation():
     assert cond(s, "DraftReady")["reason"] == "DraftProvided" and s["observedGeneration"] == 7
     assert "exportJob" not in s
     assert status_changes({"exportJob": "old", **s}, s) == {"exportJob": None}
+
+
+def test_every_status_fits_the_crd_status_schema():
+    # The API server prunes fields its schema does not list: a status field the
+    # schema lacks would vanish silently. The models forbid unknown fields at
+    # every level, and the CRD's status schema is generated from them.
+    import jsonschema
+
+    from mtp_operator.crd import build_crd
+    from mtp_operator.status_schema import MtpDeploymentStatus
+
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    gang = {"members": {"0": "u0/0"}, "restarts": 1, "retired": ["u0"],
+            "lastRestartTime": "2026-01-01T00:00:00Z", "reason": "GangRestartBackoff"}
+    statuses = [
+        compute_status(None, obs(export="running", ready=()), min_acceptance_rate=None),
+        compute_status(None, obs(export="failed", ready=(), message="boom"), min_acceptance_rate=None),
+        compute_status(None, obs(stats=stats(0.4), gang=gang), min_acceptance_rate=0.6),
+        compute_status(None, obs(export=None, failure=("InvalidSpec", "spec.nnodes: bad")), min_acceptance_rate=None),
+    ]
+    for status in statuses:
+        MtpDeploymentStatus.model_validate(status)
+        jsonschema.Draft4Validator(schema).validate(status)

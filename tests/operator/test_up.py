@@ -208,6 +208,67 @@ def test_crashing_ranks_restart_the_group_until_the_budget_is_spent(tmp_path):
     assert "--draft_model" in out  # the rank's own error, from its log
 
 
+def test_ctrl_c_during_a_restart_backoff_exits_at_once(tmp_path):
+    # Ranks that crash at start, a 120 s backoff before the group restarts:
+    # SIGINT (Ctrl-C) in the backoff ends `mtp up` cleanly, without waiting.
+    models = tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    (models / "m" / "config.json").write_text("{}")
+    (models / "not-a-draft").mkdir()
+    raw = yaml.safe_load(write_cr(tmp_path / "cr.yaml", {
+        "model": {"path": "/models/m", "mountPath": "/models", "volume": {"hostPath": "/unused"}},
+        "draftModel": {"path": "/models/not-a-draft"},
+    }).read_text())
+    del raw["spec"]["export"]
+    cr = tmp_path / "cr.yaml"
+    cr.write_text(yaml.safe_dump(raw))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtp_runtime", "up", str(cr), "--models-dir", str(models),
+         "--restart-backoff", "120", "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "restarting the whole group in 120s" in line:
+                break
+        assert seen and "restarting the whole group" in seen[-1], "".join(seen)
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - interrupted < 20
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, "".join(seen) + out + err
+    assert final_status(out)["gang"]["restarts"] == 0
+
+
+def test_failed_export_is_reported_as_the_operator_would_and_starts_no_rank(tmp_path):
+    # A checkpoint with no weights: the export step fails, so DraftReady=False
+    # (ExportFailed, with the export's own error), phase Failed, exit 1.
+    models = tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    (models / "m" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 2}))
+    cr = write_cr(tmp_path / "cr.yaml", {
+        "model": {"path": "/models/m", "mountPath": "/models", "volume": {"hostPath": "/unused"}},
+        "export": {"outputPath": "/models/m-mtp"},
+    })
+    log_dir = tmp_path / "logs"
+    done = mtp_up(str(cr), "--models-dir", str(models), "--once", "--log-dir", str(log_dir), timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    status = final_status(done.stdout)
+    assert status["phase"] == "Failed" and status["readyNodes"] == 0
+    draft = conditions(status)["DraftReady"]
+    assert draft["status"] == "False" and draft["reason"] == "ExportFailed"
+    assert "mtp export: error:" in draft["message"] and str(models / "m") in draft["message"]
+    assert conditions(status)["Ready"]["reason"] == "ExportFailed"
+    assert not list(log_dir.glob("rank-*.log")) and not (models / "m-mtp").exists()
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -37,3 +37,24 @@ def test_registered_with_the_mtp_cli():
     out = subprocess.run([sys.executable, "-m", "mtp_runtime", "operator", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--all-namespaces" in out and "MTP_OPERATOR_" in out
+
+
+def test_runs_kopf_with_scope_and_liveness_endpoint(monkeypatch):
+    import kopf
+
+    seen = {}
+
+    async def fake_operator(**kwargs):
+        seen.update(kwargs)
+
+    monkeypatch.setattr(kopf, "operator", fake_operator)
+    monkeypatch.setenv("MTP_OPERATOR_HEALTH_PORT", "9191")
+    monkeypatch.delenv("MTP_OPERATOR_ALL_NAMESPACES", raising=False)
+    assert command.run(_parse(["-n", "team-a", "-n", "team-b"])) == 0
+    assert seen["namespaces"] == ["team-a", "team-b"] and seen["clusterwide"] is False
+    assert seen["liveness_endpoint"] == "http://0.0.0.0:9191/healthz" and seen["standalone"] is True
+    assert isinstance(seen["registry"], kopf.OperatorRegistry)
+    seen.clear()
+    monkeypatch.delenv("MTP_OPERATOR_NAMESPACE", raising=False)
+    assert command.run(_parse(["--all-namespaces"])) == 0
+    assert seen["clusterwide"] is True and seen["namespaces"] == []

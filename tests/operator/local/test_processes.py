@@ -115,6 +115,22 @@ def test_one_rank_exiting_restarts_the_whole_group(tmp_path):
         group.stop(grace_seconds=0)
 
 
+def test_restart_interrupted_during_backoff_leaves_the_group_stopped(tmp_path):
+    # `sleep` is an Event's wait in `mtp up`: True means Ctrl-C came meanwhile.
+    (port,) = free_ports(1)
+    group = ProcessGroup([rank("rank-0", port)], tmp_path, restart_budget=3, restart_backoff=60)
+    group.start()
+    try:
+        wait_healthy(port)
+        before = group.pids()
+        slept = []
+        assert group.restart(sleep=lambda seconds: slept.append(seconds) or True) is False
+        assert slept == [60] and group.restarts == 0
+        assert group.pids() == {} and not alive(before["rank-0"])
+    finally:
+        group.stop(grace_seconds=0)
+
+
 def test_backoff_doubles(tmp_path):
     group = ProcessGroup([rank("rank-0", 1)], tmp_path, restart_budget=5, restart_backoff=2.0)
     delays = []
