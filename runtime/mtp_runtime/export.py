@@ -19,7 +19,7 @@ import torch
 
 from .checkpoint import draft_layout, naming
 from .checkpoint.errors import CorruptFileError, MissingFileError, MissingTensorError
-from .checkpoint.fp8 import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_fp8_blocks
+from .checkpoint.fp8 import FP8_DTYPE, QUANTIZATION_CONFIG, dequantize_fp8_blocks, scale_shape
 from .checkpoint.index import CONFIG_FILE, INDEX_FILE, CheckpointIndex
 from .checkpoint.manifest import MANIFEST_FILE, build_manifest, is_up_to_date, read_manifest, source_fingerprint
 from .checkpoint.safetensors_io import DTYPES, READ_STATS, ShardWriter, file_sha256
@@ -40,6 +40,13 @@ EXIT_IO_ERROR = 10  # any other OS error
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm4_moe")
 # Output shards are cut at this size, like Hugging Face's default.
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# config.json keys the MTP tensors' names and shapes are computed from.
+_SIZE_KEYS = (
+    "num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "n_routed_experts", "n_shared_experts",
+    "first_k_dense_replace", "moe_layer_freq", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+)
 
 
 class ExportError(Exception):
@@ -175,6 +182,11 @@ def _check_existing_output(output_dir: Path, fingerprint: str, force: bool) -> b
 def plan_entries(index: CheckpointIndex, arch: str, keep_fp8: bool) -> list[_Entry]:
     """Draft tensors in source file order, after checking every expected MTP tensor exists."""
     config = index.config
+    for key in _SIZE_KEYS:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ExportError(EXIT_CORRUPT_INPUT, f"config.json {key} is {value!r}: it must be a non-negative "
+                              "integer (needed to list the MTP tensors)")
     try:
         expected = {}
         for layer in naming.mtp_layer_indices(config):
@@ -195,8 +207,8 @@ def plan_entries(index: CheckpointIndex, arch: str, keep_fp8: bool) -> list[_Ent
             raise CorruptFileError(f"{index.shard_path(name)}: tensor {name!r} has shape {list(shape)}, "
                                    f"config.json implies {list(expected[name])}")
         is_fp8 = dtype == FP8_DTYPE
-        if is_fp8 and naming.scale_name(name) not in scales:
-            raise MissingTensorError(f"{index.model_dir}: FP8 tensor {name!r} has no {naming.scale_name(name)!r}")
+        if is_fp8:
+            _check_fp8_scale(index, name, shape, scales)
         if name in scales and not keep_fp8:
             continue  # folded into its dequantised weight
         dequant = is_fp8 and not keep_fp8
@@ -204,6 +216,20 @@ def plan_entries(index: CheckpointIndex, arch: str, keep_fp8: bool) -> list[_Ent
         entries.append(_Entry(name, target, torch.bfloat16 if dequant else dtype, shape, dequant))
     entries.sort(key=lambda e: (index.weight_map[e.source], index.info(e.source).start))
     return entries
+
+
+def _check_fp8_scale(index: CheckpointIndex, name: str, shape: tuple[int, ...], scales: set[str]) -> None:
+    """An FP8 weight must be 2-D with a `weight_scale_inv` of one entry per 128x128 block."""
+    path = index.shard_path(name)
+    if len(shape) != 2 or not name.endswith(".weight"):
+        raise CorruptFileError(f"{path}: FP8 tensor {name!r} of shape {list(shape)} is not a 2-D block-quantised weight")
+    scale = naming.scale_name(name)
+    if scale not in scales:
+        raise MissingTensorError(f"{index.model_dir}: FP8 tensor {name!r} has no {scale!r}")
+    got, want = tuple(index.info(scale).shape), scale_shape(shape)
+    if got != want:
+        raise CorruptFileError(f"{index.shard_path(scale)}: {scale!r} has shape {list(got)}, expected {list(want)} "
+                               f"for a {shape[0]}x{shape[1]} weight with 128x128 blocks")
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:

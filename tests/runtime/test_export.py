@@ -71,6 +71,30 @@ def test_reads_only_mtp_shards_and_tensors(sources, tmp_path):
     assert mtp_bytes <= result.bytes_read <= mtp_bytes + header_bytes
 
 
+def test_other_shards_and_bytes_are_never_needed(sources, tmp_path):
+    # Independent of the read counters: with every shard that holds no MTP
+    # tensor deleted, and every byte of the MTP shards outside the MTP tensors
+    # (and headers) overwritten, the export still succeeds with the same output.
+    src = CheckpointIndex(sources["deepseek_v3"])
+    mtp_names = [n for n in src.names() if naming.is_mtp_tensor(n, src.config)]
+    mtp_shards = {src.weight_map[n] for n in mtp_names}
+    stripped = tmp_path / "stripped"
+    shutil.copytree(sources["deepseek_v3"], stripped)
+    for shard in set(src.shard_files()) - mtp_shards:
+        (stripped / shard).unlink()
+    for shard in mtp_shards:
+        data = bytearray((stripped / shard).read_bytes())
+        for name in src.names():
+            info = src.info(name) if src.weight_map[name] == shard else None
+            if info is not None and name not in mtp_names:
+                data[info.start : info.end] = b"\xff" * info.nbytes
+        (stripped / shard).write_bytes(bytes(data))
+    export_mtp(sources["deepseek_v3"], tmp_path / "reference")
+    export_mtp(stripped, tmp_path / "draft")
+    for path in (tmp_path / "reference").glob("*.safetensors"):
+        assert (tmp_path / "draft" / path.name).read_bytes() == path.read_bytes()
+
+
 def test_fp8_dequantised_by_default(sources, tmp_path):
     src = CheckpointIndex(sources["fp8"])
     export_mtp(sources["fp8"], tmp_path / "draft")

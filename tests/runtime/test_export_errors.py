@@ -5,6 +5,8 @@ import json
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from mtp_runtime import cli, export
 from mtp_runtime.checkpoint.index import CheckpointIndex
@@ -104,6 +106,50 @@ def test_corrupt_shard_header(model, capsys):
     shard.write_bytes(bytes(data))
     code, err = run_cli(model, capsys)
     assert code == export.EXIT_CORRUPT_INPUT and shard.name in err
+
+
+def test_missing_mtp_shard_file(model, capsys):
+    shard = mtp_shard(model)
+    shard.unlink()
+    code, err = run_cli(model, capsys)
+    assert code == export.EXIT_MISSING_INPUT and shard.name in err and "not found" in err
+
+
+def test_non_integer_config_size(model, capsys):
+    edit_json(model / "config.json", num_hidden_layers="3")
+    code, err = run_cli(model, capsys)
+    assert code == export.EXIT_CORRUPT_INPUT and "num_hidden_layers is '3'" in err
+    edit_json(model / "config.json", num_hidden_layers=3, num_attention_heads="4")
+    code, err = run_cli(model, capsys)
+    assert code == export.EXIT_CORRUPT_INPUT and "num_attention_heads is '4'" in err
+
+
+def test_non_integer_header_offsets(model, capsys):
+    shard = mtp_shard(model)
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    begin, end = header["model.layers.3.eh_proj.weight"]["data_offsets"]
+    header["model.layers.3.eh_proj.weight"]["data_offsets"] = [str(begin), str(end)]
+    raw = json.dumps(header).encode()  # data offsets are relative to the header's end
+    shard.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+    code, err = run_cli(model, capsys)
+    assert code == export.EXIT_CORRUPT_INPUT and "bad header entry" in err and shard.name in err
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_fp8_scale_of_the_wrong_shape(tmp_path, capsys, keep_fp8):
+    model = tmp_path / "in" / "fp8"
+    assert cli.main(["make-tiny", "--arch", "deepseek_v3", "--fp8", "--hidden-size", "160", "--out", str(model)]) == 0
+    capsys.readouterr()
+    (tmp_path / "out").mkdir()
+    name = "model.layers.3.self_attn.q_a_proj.weight_scale_inv"
+    shard = model / CheckpointIndex(model).weight_map[name]
+    tensors = load_file(shard)
+    tensors[name] = torch.ones(1, 1)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, err = run_cli(model, capsys, *(["--keep-fp8"] if keep_fp8 else []))
+    assert code == export.EXIT_CORRUPT_INPUT and name in err and "expected [1, 2]" in err
 
 
 def test_output_with_foreign_content(model, capsys):

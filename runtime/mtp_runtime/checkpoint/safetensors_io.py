@@ -111,12 +111,14 @@ def _tensor_info(path: Path, name: str, entry: object, base: int) -> TensorInfo:
     try:
         dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         torch_dtype = DTYPES[dtype]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*shape, begin, end)):
+            raise ValueError("shape and data_offsets must be integers")
     except (TypeError, KeyError, ValueError):
         raise CorruptFileError(f"{path}: bad header entry for tensor {name!r}: {entry!r}") from None
     numel = 1
     for d in shape:
         numel *= d
-    if end - begin != numel * torch_dtype.itemsize or begin < 0:
+    if end - begin != numel * torch_dtype.itemsize or begin < 0 or min(shape, default=0) < 0:
         raise CorruptFileError(f"{path}: tensor {name!r} offsets {begin}..{end} do not match {dtype}{list(shape)}")
     return TensorInfo(dtype, shape, base + begin, base + end)
 
