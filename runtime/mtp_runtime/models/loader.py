@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtp_runtime.checkpoint.fp8 import BLOCK as FP8_BLOCK
 from mtp_runtime.checkpoint.fp8 import dequantize_fp8_blocks
+from mtp_runtime.checkpoint.fp8 import scale_shape as fp8_scale_shape
 from mtp_runtime.checkpoint.index import CheckpointIndex
 from mtp_runtime.checkpoint.naming import SCALE_SUFFIX, layer_index
 from mtp_runtime.checkpoint.safetensors_io import DTYPES, READ_STATS, TensorInfo, read_tensor
@@ -66,23 +68,38 @@ def map_name(arch: str, name: str) -> tuple[str, dict[str, Any]]:
 
 def _read(index: CheckpointIndex, name: str, cut: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The checkpoint tensor in float32. With `cut` (dim, start, size) only that slice of dim 0 or
-    1 is read from disk (this rank's tensor-parallel shard); the rest of the full-shape result is
-    NaN, and the weight loader, which takes the same slice, never copies it."""
+    1 is read from disk (this rank's tensor-parallel shard; of an FP8 weight, its block scales are
+    read whole, they are small); the rest of the full-shape result is NaN, and the weight loader,
+    which takes the same slice, never copies it."""
     info = index.info(name)
-    if cut is not None and not info.dtype.startswith("F8") and len(info.shape) > cut[0] \
-            and cut[1] + cut[2] <= info.shape[cut[0]] and (cut[0] == 0 or len(info.shape) == 2):
+    fp8 = info.dtype == "F8_E4M3"  # block-scaled, as DeepSeek stores its weights
+    if cut is not None and len(info.shape) > cut[0] and cut[1] + cut[2] <= info.shape[cut[0]] \
+            and (len(info.shape) == 2 or (cut[0] == 0 and not fp8)):
         dim, start, size = cut
         part = _read_slice(index.shard_path(name), name, info, dim, start, size)
+        if fp8:
+            # The same float32 products as dequantize_fp8_blocks, for this slice's elements only.
+            rows = torch.arange(part.shape[0]) + (start if dim == 0 else 0)
+            cols = torch.arange(part.shape[1]) + (start if dim == 1 else 0)
+            scale = _fp8_scale(index, name)
+            if tuple(scale.shape) != fp8_scale_shape(info.shape):
+                raise LoadError(f"{index.model_dir}: {name} has block scales of shape {tuple(scale.shape)}, "
+                                f"expected {fp8_scale_shape(info.shape)} for its {FP8_BLOCK}x{FP8_BLOCK} blocks")
+            part = part * scale[rows // FP8_BLOCK][:, cols // FP8_BLOCK]
         full = torch.full(info.shape, float("nan"), dtype=torch.float32)
         full.narrow(dim, start, size).copy_(part)
         return full
     tensor = index.read(name)
     if tensor.dtype == torch.float8_e4m3fn:
-        scale = name[: -len(".weight")] + SCALE_SUFFIX
-        if scale not in index:
-            raise LoadError(f"{index.model_dir}: FP8 tensor {name} has no {scale} (block scales) in the checkpoint")
-        return dequantize_fp8_blocks(tensor, index.read(scale).float(), torch.float32, name)
+        return dequantize_fp8_blocks(tensor, _fp8_scale(index, name), torch.float32, name)
     return tensor.float()
+
+
+def _fp8_scale(index: CheckpointIndex, name: str) -> torch.Tensor:
+    scale = name[: -len(".weight")] + SCALE_SUFFIX
+    if scale not in index:
+        raise LoadError(f"{index.model_dir}: FP8 tensor {name} has no {scale} (block scales) in the checkpoint")
+    return index.read(scale).float()
 
 
 def _load_tensors(module: nn.Module, index: CheckpointIndex, arch: str, names: dict[str, str]) -> set[tuple]:

@@ -219,7 +219,8 @@ def broadcast_plan(plan: StepPlan | None, hidden: torch.Tensor | None = None, sr
             if hidden is None or tuple(hidden.shape) != shape:
                 raise ValueError(f"broadcast_plan: the plan announces hidden {shape}, got "
                                  f"{None if hidden is None else tuple(hidden.shape)}")
-            hidden = hidden.detach().float().contiguous()
+            # On the host: on accelerators plans travel through a gloo side group (serve_group.py).
+            hidden = hidden.detach().float().cpu().contiguous()
         else:
             hidden = torch.empty(shape, dtype=torch.float32)
         dist.broadcast(hidden, src=src, group=group)

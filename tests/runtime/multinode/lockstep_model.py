@@ -52,6 +52,8 @@ def greedy_mtp_generate(model, draft, prompt: list[int], k: int, max_new: int) -
         pos = torch.arange(start, start + len(tokens))
         return model(torch.tensor(tokens), pos, caches, meta(start, len(tokens)))
 
+    proposals: list[int] = []  # every draft token, in order: the outputs alone cannot show a wrong draft
+
     def run_draft(tokens: list[int], hidden: torch.Tensor, start: int) -> list[int]:
         """Draft k tokens: one pass over `tokens`, then k-1 single steps on its own output."""
         out, drafts = None, []
@@ -63,6 +65,7 @@ def greedy_mtp_generate(model, draft, prompt: list[int], k: int, max_new: int) -
             last = out[torch.tensor([out.shape[0] - 1])] if step == 0 else out[-1:]  # traced rows, a view
             drafts.append(int(draft.compute_logits(last).argmax(-1)))
             start += n
+        proposals.extend(drafts)
         return drafts
 
     tokens = list(prompt)
@@ -81,7 +84,8 @@ def greedy_mtp_generate(model, draft, prompt: list[int], k: int, max_new: int) -
         accepted, proposed = accepted + a, proposed + k
         tokens += drafts[:a] + [picks[a]]
         drafts = run_draft(tokens[n + 1:], hidden[: a + 1], n)
-    return {"tokens": tokens[len(prompt):len(prompt) + max_new], "accepted": accepted, "proposed": proposed}
+    return {"tokens": tokens[len(prompt):len(prompt) + max_new], "accepted": accepted, "proposed": proposed,
+            "drafts": proposals}
 
 
 def main() -> int:
