@@ -105,9 +105,22 @@ RUN python3 -m pip install "pip==${PIP_VERSION}" \
     && rm -rf /wheels \
     && (getent group "${ASCEND_GID}" > /dev/null || groupadd --gid "${ASCEND_GID}" HwHiAiUser) \
     && useradd --uid "${APP_UID}" --gid "${ASCEND_GID}" --create-home --shell /usr/sbin/nologin mtp
+# CANN's libraries are found only after its set_env.sh has run. The
+# operator's pods set `command: [mtp]`, which replaces the image's ENTRYPOINT,
+# so the first `mtp` on PATH is a wrapper that sources set_env.sh (or
+# $ASCEND_SET_ENV; with no arguments, so it cannot read ours) and then runs
+# the package's own `mtp`.
+RUN mkdir -p /opt/mtp/bin \
+    && printf '%s\n' '#!/bin/bash' \
+        'set_env="${ASCEND_SET_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}"' \
+        'if [ ! -f "$set_env" ]; then echo "mtp: no CANN environment script at $set_env (set ASCEND_SET_ENV)" >&2; exit 1; fi' \
+        'args=("$@"); set --' \
+        'source "$set_env"' \
+        'exec python3 -m mtp_runtime "${args[@]}"' > /opt/mtp/bin/mtp \
+    && chmod 755 /opt/mtp/bin/mtp
+ENV PATH=/opt/mtp/bin:${PATH}
 WORKDIR /home/mtp
 USER ${APP_UID}:${ASCEND_GID}
 EXPOSE 8000
-# CANN's libraries are found only after its set_env.sh has run.
-ENTRYPOINT ["bash", "-c", "source /usr/local/Ascend/ascend-toolkit/set_env.sh && exec mtp \"$@\"", "mtp"]
+ENTRYPOINT ["mtp"]
 CMD ["serve", "--help"]

@@ -7,11 +7,15 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (the package supports it): the same parser, as pip vendors it
+    from pip._vendor import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = ("operator", "runtime", "runtime-npu")
@@ -178,9 +182,39 @@ def test_entrypoints_are_the_mtp_console_script(dockerfile):
     assert "mtp" in scripts
     assert entrypoint_argv(stages["operator"])[:2] == ["mtp", "operator"]
     assert entrypoint_argv(stages["runtime"])[:2] == ["mtp", "serve"]
-    npu = entrypoint_argv(stages["runtime-npu"])
-    assert npu[:2] == ["bash", "-c"] and "exec mtp" in npu[2]
-    assert npu[4:] == ["serve", "--help"]
+    # On the NPU image `mtp` is the CANN wrapper (next test), first on PATH.
+    assert entrypoint_argv(stages["runtime-npu"])[:2] == ["mtp", "serve"]
+
+
+NPU_WRAPPER_DIR = "/opt/mtp/bin"
+
+
+def test_npu_mtp_sources_cann_even_when_the_pod_replaces_the_entrypoint(dockerfile, tmp_path):
+    # The operator's pods run `command: [mtp, ...]`, which replaces ENTRYPOINT:
+    # so `mtp` itself, resolved on the image's PATH, must set up CANN. Writes
+    # the wrapper as the image build does, then runs it with a stand-in
+    # set_env.sh and python3.
+    _, stages = dockerfile
+    npu = stages["runtime-npu"]
+    paths = [arg for kw, arg in npu.instructions if kw == "ENV" and arg.startswith("PATH=")]
+    assert paths and paths[-1].startswith(f"PATH={NPU_WRAPPER_DIR}:"), paths
+    (run,) = [arg for kw, arg in npu.instructions if kw == "RUN" and f"{NPU_WRAPPER_DIR}/mtp" in arg]
+    wrapper_dir = tmp_path / "wrapper"
+    subprocess.run(["sh", "-c", run.replace(NPU_WRAPPER_DIR, str(wrapper_dir))], check=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\nprintf \'%s|\' "$CANN_READY" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    set_env = tmp_path / "set_env.sh"
+    set_env.write_text('[ "$#" -eq 0 ] && export CANN_READY=yes\n')
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "ASCEND_SET_ENV": str(set_env)}
+    done = subprocess.run([str(wrapper_dir / "mtp"), "serve", "--port=8000", "a b"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "yes|-m|mtp_runtime|serve|--port=8000|a b|"
+    env["ASCEND_SET_ENV"] = str(tmp_path / "absent.sh")
+    done = subprocess.run([str(wrapper_dir / "mtp"), "serve"], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "no CANN environment script" in done.stderr and not done.stdout
 
 
 @pytest.mark.parametrize(

@@ -246,6 +246,37 @@ def test_kind_e2e_cleans_up_when_never_ready(tmp_path, e2e_models):
     assert (e2e_models / "tiny-deepseek-v3" / "config.json").is_file()
 
 
+def test_quickstart_sets_up_then_runs_the_tiny_sample_with_mtp_up(tmp_path):
+    # README's first command: hack/setup-env.sh (here a prepared .venv it
+    # finds up to date, so nothing is installed), then `mtp up` of the tiny
+    # CPU sample with completions, from the repository root.
+    import hashlib
+
+    venv = tmp_path / "venv"
+    bin_dir = venv / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "helm").symlink_to(tool("helm"))
+    (bin_dir / "activate").write_text(f'PATH="{bin_dir}:$PATH"\nexport PATH\n')
+    (venv / ".mtp-installed").write_text(hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest() + "\n")
+    calls = tmp_path / "mtp-calls.jsonl"
+    (bin_dir / "mtp").write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps([os.getcwd(), *sys.argv[1:]]) + '\\n')\n")
+    (bin_dir / "mtp").chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MTP_VENV": str(venv),
+           "PIP_INDEX_URL": "http://127.0.0.1:9/unreachable", "PIP_NO_INDEX": "1"}
+    done = subprocess.run([str(REPO / "hack" / "quickstart.sh")], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (call,) = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert call[0] == str(REPO)
+    assert call[1:3] == ["up", "crds/samples/tiny-cpu.yaml"] and "--once" in call
+    assert int(call[call.index("--requests") + 1]) > 0
+    readme = (REPO / "README.md").read_text()
+    assert "```bash\n./hack/quickstart.sh\n```" in readme
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     section = readme.split("Run the tests", 1)[1]

@@ -113,18 +113,23 @@ class ProcessGroup:
     def next_backoff(self) -> float:
         return self.restart_backoff * (2**self.restarts)
 
-    def restart(self, sleep=time.sleep) -> None:
+    def restart(self, sleep=time.sleep) -> bool:
         """Whole-group restart: kill every member, back off, start them all.
 
         No grace period, like the operator's gang restart (pods deleted with
         grace 0): the survivors hold collective state that is already broken.
+        `sleep` may be an Event's `wait`: when it returns True (a shutdown was
+        asked for during the backoff) the group stays stopped and this returns
+        False.
         """
         if not self.can_restart():
             raise RuntimeError(f"restart budget of {self.restart_budget} spent")
         self.stop(grace_seconds=0)
-        sleep(self.next_backoff())
+        if sleep(self.next_backoff()) is True:
+            return False
         self.restarts += 1
         self.start()
+        return True
 
     def stop(self, grace_seconds: float | None = None) -> dict[str, int]:
         """Stop every member (SIGTERM, then SIGKILL after the grace period)."""

@@ -187,8 +187,12 @@ class LocalDeployment:
         if not self.gang["members"] and len(ranks) == self.plan.nnodes and all(r.healthy is not False for r in ranks):
             self.gang["members"] = {str(r.rank): f"{r.uid}/{r.restart_count}" for r in ranks}
 
-    def handle_exit(self) -> bool:
-        """A rank exited: restart the whole group if the budget allows; False when spent."""
+    def handle_exit(self, stop: threading.Event) -> bool:
+        """A rank exited: restart the whole group if the budget allows; False when spent.
+
+        Ctrl-C during the backoff (up to minutes after a few restarts) ends it
+        at once: the group then stays stopped and `run` sees `stop` set.
+        """
         crash = self.group.first_exit()
         if crash is None:
             return True
@@ -198,7 +202,8 @@ class LocalDeployment:
             return False
         self.out(f"           restarting the whole group in {self.group.next_backoff():.0f}s "
                  f"({self.group.restarts + 1}/{self.group.restart_budget})")
-        self.group.restart()
+        if not self.group.restart(sleep=stop.wait):
+            return True
         self.gang = {"members": {}, "restarts": self.group.restarts, "lastRestartTime": utc_now(),
                      "reason": REASON_MEMBER_RESTARTED}
         return True
@@ -219,7 +224,7 @@ class LocalDeployment:
         was_ready = False
         try:
             while True:
-                if not self.handle_exit():
+                if not self.handle_exit(stop):
                     self.update_status(self.observations(export, self.rank_observations()))
                     return EXIT_FAILED
                 ranks = self.rank_observations()
