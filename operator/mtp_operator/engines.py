@@ -73,13 +73,14 @@ def _one_process_flags(ctx: LaunchContext) -> list[str]:
 # its own port. A pod with C devices runs C processes, each under a subshell
 # that forwards SIGTERM to it; when one exits, the script stops the others and
 # fails, so the container restarts and the gang restart sees it. Arguments: C,
-# total processes, pod rank, first port, device kind, then the shared argv as
-# "$@" (never parsed by the shell).
+# total processes, pod rank, first port, device kind, first device index (0 in
+# a pod, which sees only its own devices), then the shared argv as "$@" (never
+# parsed by the shell).
 PER_DEVICE_SCRIPT = (
-    'c=$1; total=$2; rank=$3; port=$4; kind=$5; shift 5; self=$$; pids=; '
+    'c=$1; total=$2; rank=$3; port=$4; kind=$5; first=$6; shift 6; self=$$; pids=; '
     'trap \'trap "" TERM INT; kill -TERM $pids 2>/dev/null; wait; exit 1\' TERM INT; '
     'i=0; while [ "$i" -lt "$c" ]; do '
-    '( "$@" "--devices=$kind:$i" "--draft_devices=$kind:$i" "--port=$((port + i))" '
+    'd=$((first + i)); ( "$@" "--devices=$kind:$d" "--draft_devices=$kind:$d" "--port=$((port + i))" '
     '"--nnodes=$total" "--node_rank=$((rank * c + i))" & p=$!; '
     'trap \'kill -TERM $p 2>/dev/null\' TERM; wait $p; wait $p; kill -TERM $self ) & '
     'pids="$pids $!"; i=$((i + 1)); done; wait; exit 1'
@@ -93,16 +94,24 @@ def kubernetes_escaped(script: str) -> str:
 
 
 def devices_per_process(ctx: LaunchContext) -> int:
-    """Devices of one pod (or local rank) that each get a process of their own."""
+    """Devices of one pod (or local rank), each run by a process of its own."""
     return len(ctx.devices.split(","))
+
+
+# Index of the engine's program in a per-device argv.
+PER_DEVICE_PROGRAM = 10
 
 
 def _per_device(shared: list[str], ctx: LaunchContext) -> list[str]:
     count = devices_per_process(ctx)
     script = PER_DEVICE_SCRIPT if ctx.rank is not None else kubernetes_escaped(PER_DEVICE_SCRIPT)
-    kind = ctx.devices.split(":")[0]
+    kind, first = ctx.devices.split(",")[0].split(":")
     return ["/bin/sh", "-c", script, "per-device", str(count), str(ctx.nnodes * count), _rank_text(ctx),
-            str(ctx.http_port), kind, *shared]
+            str(ctx.http_port), kind, first, *shared]
+
+
+def is_per_device(argv: list[str]) -> bool:
+    return argv[:2] == ["/bin/sh", "-c"] and argv[3:4] == ["per-device"]
 
 
 def builtin_argv(spec: MtpDeploymentSpec, ctx: LaunchContext) -> list[str]:

@@ -16,8 +16,10 @@
 
 The Kubernetes backend passes `master_host=kubernetes_master_host(name, ns)`
 (pod 0's DNS name in the headless Service); the local backend passes
-"127.0.0.1" and `port_stride=1`, so ranks on one machine get distinct HTTP
-ports (http + rank). manifests.py turns a plan into Kubernetes objects.
+"127.0.0.1", `port_stride` = processes_per_rank(spec) and `device_stride` =
+the accelerator count, so ranks on one machine get distinct HTTP ports and
+devices (a pod sees only its own devices, numbered from 0). manifests.py turns
+a plan into Kubernetes objects.
 """
 
 from __future__ import annotations
@@ -107,8 +109,15 @@ def accelerator_kind(spec: MtpDeploymentSpec) -> str:
     return "cuda" if resource else "cpu"
 
 
-def device_list(kind: str, count: int) -> str:
-    return "cpu" if kind == "cpu" else ",".join(f"{kind}:{i}" for i in range(count))
+def device_list(kind: str, count: int, first: int = 0) -> str:
+    return "cpu" if kind == "cpu" else ",".join(f"{kind}:{first + i}" for i in range(count))
+
+
+def processes_per_rank(spec: MtpDeploymentSpec) -> int:
+    """Engine processes one pod runs: one per device, except vLLM's one per pod."""
+    if spec.engine == "vllm" or accelerator_kind(spec) == "cpu":
+        return 1
+    return max(spec.accelerator.count, 1)
 
 
 def resource_requirements(resources: Resources, accelerator: str | None = None, count: int = 0) -> dict:
@@ -143,14 +152,13 @@ def _export_step(name: str, spec: MtpDeploymentSpec, image: str) -> ExportStep |
 
 
 def plan_deployment(name: str, namespace: str, spec: MtpDeploymentSpec, *, master_host: str,
-                    settings: OperatorSettings | None = None, port_stride: int = 0,
+                    settings: OperatorSettings | None = None, port_stride: int = 0, device_stride: int = 0,
                     rank_ip: str = "127.0.0.1") -> DeploymentPlan:
     settings = settings or OperatorSettings()
     kind = accelerator_kind(spec)
     count = spec.accelerator.count
     image = spec.image or (settings.npu_runtime_image if kind == "npu" else settings.runtime_image)
     draft = spec.draft_model.path if spec.draft_model else spec.export.output_path  # type: ignore[union-attr]
-    devices = device_list(kind, count)
     http = spec.ports.http
     master = f"{master_host}:{spec.ports.master}"
 
@@ -164,6 +172,7 @@ def plan_deployment(name: str, namespace: str, spec: MtpDeploymentSpec, *, maste
 
     def context(rank: int | None) -> LaunchContext:
         port = http + (rank or 0) * port_stride
+        devices = device_list(kind, count, first=(rank or 0) * device_stride)
         return LaunchContext(rank, spec.nnodes, master_host, draft, devices, port)
 
     ranks = []

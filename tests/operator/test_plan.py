@@ -44,8 +44,8 @@ def test_builtin_cpu_flags_follow_the_contract(make_spec):
 def test_npu_devices_hccl_env_and_resources(make_spec):
     plan = _plan(make_spec, NPU)
     # One runtime process per NPU: 2 pods x 8 devices form a group of 16 ranks.
-    assert plan.pod_argv[3:9] == ["per-device", "8", "16", "$(MTP_NODE_RANK)", "8000", "npu"]
-    assert plan.pod_argv[9:11] == ["mtp", "serve"]
+    assert plan.pod_argv[3:10] == ["per-device", "8", "16", "$(MTP_NODE_RANK)", "8000", "npu", "0"]
+    assert plan.pod_argv[10:12] == ["mtp", "serve"]
     assert plan.pod_field_env[c.ENV_HCCL_IF_IP] == "status.podIP"
     assert plan.pod_env[c.ENV_HCCL_CONNECT_TIMEOUT] == c.HCCL_CONNECT_TIMEOUT_SECONDS
     assert plan.resources["limits"]["huawei.com/Ascend910"] == "8"
@@ -55,7 +55,7 @@ def test_npu_devices_hccl_env_and_resources(make_spec):
 def test_builtin_gpu_devices_and_resources(make_spec):
     plan = _plan(make_spec, GPU)
     assert plan.accelerator_kind == "cuda"
-    assert plan.pod_argv[3:9] == ["per-device", "4", "8", "$(MTP_NODE_RANK)", "8000", "cuda"]
+    assert plan.pod_argv[3:10] == ["per-device", "4", "8", "$(MTP_NODE_RANK)", "8000", "cuda", "0"]
     assert plan.resources == {"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}
     assert c.ENV_HCCL_IF_IP not in plan.pod_field_env and c.ENV_HCCL_CONNECT_TIMEOUT not in plan.pod_env
 
@@ -102,14 +102,14 @@ def test_xllm_uses_its_launch_flags(make_spec):
     argv = plan.ranks[1].argv
     # One xLLM process per NPU, as in its launch script: 2 pods x 8 devices = 16 processes.
     assert argv[:2] == ["/bin/sh", "-c"]
-    assert argv[3:9] == ["per-device", "8", "16", "1", "8000", "npu"]
-    assert argv[9] == "xllm"
+    assert argv[3:10] == ["per-device", "8", "16", "1", "8000", "npu", "0"]
+    assert argv[10] == "xllm"
     for flag in ("--model=/models/ds", "--master_node_addr=ds-0.ds-ranks.team.svc:29500",
                  "--draft_model=/models/ds-mtp", "--num_speculative_tokens=2",
                  "--communication_backend=hccl", "--ep_size=16", "--block_size=128"):
         assert flag in argv, flag
-    assert not any(a.startswith(("--devices", "--nnodes", "--node_rank", "--port")) for a in argv[9:])
-    assert plan.pod_argv[6] == "$(MTP_NODE_RANK)"
+    assert not any(a.startswith(("--devices", "--nnodes", "--node_rank", "--port")) for a in argv[10:])
+    assert plan.pod_argv[6] == "$(MTP_NODE_RANK)" and plan.pod_argv[10] == "xllm"
     assert plan.pod_argv[2] == kubernetes_escaped(plan.ranks[1].argv[2])
     assert plan.metrics_path == "/vars"
 

@@ -16,7 +16,8 @@ import sys
 from mtp_operator.local.paths import LocalPaths
 from mtp_operator.local.ports import free_ports
 from mtp_operator.local.processes import LocalProcess
-from mtp_operator.plan import DeploymentPlan, PlanError, plan_deployment
+from mtp_operator.engines import PER_DEVICE_PROGRAM, is_per_device
+from mtp_operator.plan import DeploymentPlan, PlanError, plan_deployment, processes_per_rank
 from mtp_operator.spec import MtpDeploymentSpec, Ports
 
 LOOPBACK = "127.0.0.1"
@@ -48,12 +49,13 @@ def free_port_block(count: int, avoid: range = range(0)) -> int:
 
 
 def choose_ports(spec: MtpDeploymentSpec, http_port: int | None, master_port: int | None) -> tuple[int, int]:
-    """HTTP base port (rank r listens on base + r) and the rendezvous port.
+    """HTTP base port (process p of the group listens on base + p) and the
+    rendezvous port.
 
     Explicit ports are used as given; otherwise the spec's ports when free on
     this machine, else free ones.
     """
-    nnodes = spec.nnodes
+    nnodes = spec.nnodes * processes_per_rank(spec)
     if http_port is None:
         http_port = spec.ports.http
         if not port_block_is_free(http_port, nnodes):
@@ -72,11 +74,17 @@ def choose_ports(spec: MtpDeploymentSpec, http_port: int | None, master_port: in
 def plan_local(name: str, spec: MtpDeploymentSpec, http_port: int, master_port: int) -> DeploymentPlan:
     """The operator's plan, for ranks on this machine (master on loopback)."""
     local_spec = spec.model_copy(update={"ports": Ports(http=http_port, master=master_port)})
-    return plan_deployment(name, LOCAL_NAMESPACE, local_spec, master_host=LOOPBACK, port_stride=1, rank_ip=LOOPBACK)
+    return plan_deployment(name, LOCAL_NAMESPACE, local_spec, master_host=LOOPBACK,
+                           port_stride=processes_per_rank(spec), device_stride=spec.accelerator.count,
+                           rank_ip=LOOPBACK)
 
 
 def local_command(argv: list[str], field: str) -> list[str]:
-    """The plan's program, as this machine runs it."""
+    """The plan's program, as this machine runs it (inside the per-device
+    script too)."""
+    if is_per_device(argv):
+        head, engine = argv[:PER_DEVICE_PROGRAM], argv[PER_DEVICE_PROGRAM:]
+        return head + local_command(engine, field)
     program, rest = argv[0], argv[1:]
     if program == "mtp":
         # The same interpreter and package as this `mtp up`.

@@ -96,3 +96,19 @@ def test_ports_from_the_spec_when_free_else_free_ones():
 def test_foreign_engine_needs_its_command():
     with pytest.raises(PlanError, match=r"spec\.engine: `xllm-not-installed` is not on PATH"):
         local_command(["xllm-not-installed", "--model=/m"], "spec.engine")
+
+
+def test_several_devices_per_rank_get_their_own_ports_and_devices(tmp_path):
+    # Two ranks of two NPUs on one machine: four processes, four ports, four devices.
+    spec = sample_spec(nnodes=2, accelerator={"resourceName": "huawei.com/Ascend910", "count": 2})
+    plan = plan_local("tiny-npu", spec, 18100, 18199)
+    rank0, rank1 = rank_processes(plan, LocalPaths.for_spec(spec, tmp_path))
+    assert rank1.argv[:2] == ["/bin/sh", "-c"]
+    # processes, group size, rank, first port, device kind, first device
+    assert rank1.argv[4:10] == ["2", "4", "1", "18102", "npu", "2"]
+    assert rank1.argv[10:14] == [sys.executable, "-m", "mtp_runtime", "serve"]
+    assert rank0.argv[4:10] == ["2", "4", "0", "18100", "npu", "0"]
+    assert (rank0.http_port, rank1.http_port) == (18100, 18102)
+    assert f"--model={tmp_path}/tiny-deepseek-v3" in rank1.argv
+    http, master = choose_ports(spec, None, None)
+    assert master not in range(http, http + 4)
