@@ -126,7 +126,7 @@ def _export(input_dir, output_dir, model_type, force, keep_fp8, max_shard_bytes)
         config = draft_layout.draft_config(index.config, arch, qconfig)
         _write_json(tmp / CONFIG_FILE, config)
         _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-        names = [CONFIG_FILE, INDEX_FILE] + copy_aux_files(input_dir, tmp)
+        names = [CONFIG_FILE, INDEX_FILE] + copy_aux_files(input_dir, tmp) + copy_remote_code(input_dir, tmp, config)
         files.update({n: {"sha256": file_sha256(tmp / n), "size": (tmp / n).stat().st_size} for n in names})
         # The manifest goes last: its presence marks a finished export.
         _write_json(tmp / MANIFEST_FILE, build_manifest(input_dir, fingerprint, options, files))
@@ -230,6 +230,29 @@ def _check_fp8_scale(index: CheckpointIndex, name: str, shape: tuple[int, ...], 
     if got != want:
         raise CorruptFileError(f"{index.shard_path(scale)}: {scale!r} has shape {list(got)}, expected {list(want)} "
                                f"for a {shape[0]}x{shape[1]} weight with 128x128 blocks")
+
+
+def remote_code_modules(config: dict) -> list[str]:
+    """The `.py` files config.json's `auto_map` names (DeepSeek-V3 ships
+    configuration_deepseek.py and modeling_deepseek.py): a draft that keeps
+    the auto_map needs them beside it for `trust_remote_code` loaders."""
+    modules = set()
+    for ref in (config.get("auto_map") or {}).values():
+        for item in ref if isinstance(ref, list) else [ref]:
+            if isinstance(item, str) and "." in item:
+                module = item.split("--")[-1].rsplit(".", 1)[0]
+                modules.add(module.replace(".", "/") + ".py")
+    return sorted(modules)
+
+
+def copy_remote_code(src_dir: Path, dst_dir: Path, config: dict) -> list[str]:
+    copied = []
+    for name in remote_code_modules(config):
+        src = src_dir / name
+        if src.is_file() and "/" not in name:
+            shutil.copyfile(src, dst_dir / name)
+            copied.append(name)
+    return copied
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:

@@ -159,3 +159,24 @@ def test_two_mtp_layers(tmp_path):
     assert "model.enorm.weight" in out.names() and "model.layers.1.enorm.weight" in out.names()
     assert "model.layers.1.mlp.experts.0.up_proj.weight" in out.names()
     assert torch.equal(out.read("model.layers.1.eh_proj.weight"), CheckpointIndex(src).read("model.layers.3.eh_proj.weight"))
+
+
+def test_remote_code_named_by_auto_map_is_copied(sources, tmp_path):
+    # DeepSeek-V3's config.json maps its classes to configuration_deepseek.py and
+    # modeling_deepseek.py; the draft keeps the auto_map, so it needs the files.
+    src = tmp_path / "src"
+    shutil.copytree(sources["deepseek_v3"], src)
+    config = json.loads((src / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                          "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "configuration_deepseek.py").write_text("# configuration\n")
+    (src / "modeling_deepseek.py").write_text("# modeling\n")
+    (src / "unrelated.py").write_text("# not named by auto_map\n")
+    export_mtp(src, tmp_path / "draft")
+    draft = tmp_path / "draft"
+    assert json.loads((draft / "config.json").read_text())["auto_map"] == config["auto_map"]
+    for name in ("configuration_deepseek.py", "modeling_deepseek.py"):
+        assert (draft / name).read_bytes() == (src / name).read_bytes()
+        assert name in json.loads((draft / "mtp-export.json").read_text())["files"]
+    assert not (draft / "unrelated.py").exists()
