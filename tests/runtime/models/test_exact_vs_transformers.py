@@ -104,13 +104,25 @@ def test_v32_indexer_really_selects(pairs):
     assert (sparse[topk:] - dense[topk:]).abs().max() > 1e-2
 
 
-def test_grouped_routing_changes_expert_choice(pairs):
-    """The test models' grouped top-k excludes experts a flat top-k would pick."""
-    ours, _ = pairs["deepseek_v3"]
-    router = ours.model.layers[1].mlp.gate
-    x = torch.randn(64, ours.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        _, grouped = router(x)
-        flat = (torch.sigmoid(x @ router.weight.T) + router.e_score_correction_bias).topk(2, dim=-1)[1]
-    differs = [set(a.tolist()) != set(b.tolist()) for a, b in zip(grouped, flat)]
-    assert any(differs)
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_routing_changes_expert_choice(pairs, case):
+    """On the hidden states of the prompt the exactness test compares, grouped top-k (n_group,
+    topk_group) excludes experts a flat top-k would pick, in every MoE layer: a router that ignored
+    the groups would not match transformers."""
+    ours, _ = pairs[case]
+    routed = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, inp, out: routed.append((mod, inp[0], out[1])))
+             for layer in ours.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        with torch.no_grad():
+            ours.forward_batched(prompt(PROMPT_LEN)[None])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert routed and all(router.config.topk_group < router.config.n_group for router, _, _ in routed)
+    for router, x, grouped in routed:
+        k = router.config.num_experts_per_tok
+        x = x.reshape(-1, x.shape[-1]).float()
+        flat = (torch.sigmoid(x @ router.weight.float().T) + router.e_score_correction_bias).topk(k, dim=-1)[1]
+        differs = [set(a.tolist()) != set(b.tolist()) for a, b in zip(grouped.reshape(-1, k), flat)]
+        assert sum(differs) >= 3, f"{case}: grouping changed the choice of only {sum(differs)} tokens"

@@ -28,7 +28,8 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def reference_draft(path, ref_model, read_dense_state, fuse_experts):
-    """A function (next_ids [n], hidden [n, H]) -> draft logits [n, V] over positions 0..n-1."""
+    """A function (next_ids [n], hidden [n, H]) -> (shared_head.norm output [n, H], draft logits [n, V])
+    over positions 0..n-1."""
     config, state = read_dense_state(path)
     L, eps = config["num_hidden_layers"], config["rms_norm_eps"]
     p = f"model.layers.{L}."
@@ -49,7 +50,8 @@ def reference_draft(path, ref_model, read_dense_state, fuse_experts):
         mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
         out = layer(x[None], attention_mask=mask, position_embeddings=pos_emb, position_ids=positions)
         out = out[0] if isinstance(out, tuple) else out
-        return rms(out[0], mtp["shared_head.norm.weight"], eps) @ mtp["shared_head.head.weight"].T
+        normed = rms(out[0], mtp["shared_head.norm.weight"], eps)
+        return normed, normed @ mtp["shared_head.head.weight"].T
 
     return run
 
@@ -77,13 +79,17 @@ def test_draft_matches_recomputation_including_reuse(tiny_dirs, reference_model,
         # prefill over positions 0..n-1: inputs t_1..t_n, hiddens h_0..h_{n-1}
         out = draft(ids[1:n + 1], hidden[:n], torch.arange(n), caches, AttentionMetadata.for_sequence(0, n, 4))
         logits = draft.compute_logits(out)
-        expected = reference(ids[1:n + 1], hidden[:n])
+        expected_normed, expected = reference(ids[1:n + 1], hidden[:n])
         assert (logits - expected).abs().max().item() <= 1e-4
+        # the hidden the draft hands on (and is fed back on reuse) is the shared_head.norm output
+        assert (out - expected_normed).abs().max().item() <= 1e-4
         # reuse for draft position 2: input = its own guess, hidden = its own shared_head.norm output
         guess = logits[-1:].argmax(-1)
         out2 = draft(guess, out[-1:], torch.tensor([n]), caches, AttentionMetadata.for_sequence(n, 1, 4))
-        expected2 = reference(torch.cat([ids[1:n + 1], guess]), torch.cat([hidden[:n], out[-1:]]))[-1:]
-        assert (draft.compute_logits(out2) - expected2).abs().max().item() <= 1e-4
+        expected_normed2, expected2 = reference(torch.cat([ids[1:n + 1], guess]),
+                                                torch.cat([hidden[:n], expected_normed[-1:]]))
+        assert (draft.compute_logits(out2) - expected2[-1:]).abs().max().item() <= 1e-4
+        assert (out2 - expected_normed2[-1:]).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "glm4_moe"])
