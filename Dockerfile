@@ -6,6 +6,9 @@
 #       --build-arg CANN_BASE_IMAGE=<a CANN image matching your NPU driver> .
 # The runtime images run `mtp serve` (every rank) and `mtp export` (the export
 # Job); the operator image runs `mtp operator` (kopf underneath).
+# Every dependency of the package is pinned by hack/image-constraints.txt
+# (pip -c; regenerate with hack/gen_image_constraints.py), so two builds a
+# month apart install the same versions.
 
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 # Ascend CANN base for the NPU runtime: CANN toolkit + Python 3.11, aarch64 or
@@ -49,8 +52,9 @@ WORKDIR /home/mtp
 FROM python-base AS operator
 ARG APP_UID
 COPY --from=wheel /wheels /wheels
+COPY hack/image-constraints.txt /wheels/
 RUN wheel="$(ls /wheels/mtp_operator-*.whl)" \
-    && python -m pip install "${wheel}[operator]" \
+    && python -m pip install -c /wheels/image-constraints.txt "${wheel}[operator]" \
     && rm -rf /wheels
 USER ${APP_UID}:${APP_UID}
 ENTRYPOINT ["mtp"]
@@ -58,19 +62,22 @@ CMD ["operator", "--all-namespaces"]
 
 # ---------------------------------------------------------------- runtime
 # CPU runtime: torch pinned and installed first (from TORCH_CPU_INDEX when
-# given), so the runtime extra installs that build and no other.
+# given), so the runtime extra installs that build and no other. That first
+# install takes no constraints (the CPU index holds only some versions of
+# torch's dependencies); the wheel's install then moves them to the pins.
 FROM python-base AS runtime
 ARG APP_UID
 ARG TORCH_VERSION
 ARG TORCH_CPU_INDEX
 COPY --from=wheel /wheels /wheels
+COPY hack/image-constraints.txt /wheels/
 # g++: the packed CPU linear kernel and graph mode (torch.compile) build C++ on the machine.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/* \
     && python -m pip install ${TORCH_CPU_INDEX:+--index-url "${TORCH_CPU_INDEX}"} "torch==${TORCH_VERSION}" \
     && wheel="$(ls /wheels/mtp_operator-*.whl)" \
-    && python -m pip install "torch==${TORCH_VERSION}" "${wheel}[runtime]" \
+    && python -m pip install -c /wheels/image-constraints.txt "torch==${TORCH_VERSION}" "${wheel}[runtime]" \
     && rm -rf /wheels \
     && mtp serve --help > /dev/null && mtp export --help > /dev/null
 USER ${APP_UID}:${APP_UID}
@@ -98,10 +105,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=wheel /wheels /wheels
+COPY hack/image-constraints.txt /wheels/
 RUN python3 -m pip install "pip==${PIP_VERSION}" \
     && python3 -m pip install ${TORCH_CPU_INDEX:+--index-url "${TORCH_CPU_INDEX}"} "torch==${TORCH_VERSION}" \
     && wheel="$(ls /wheels/mtp_operator-*.whl)" \
-    && python3 -m pip install "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" "${wheel}[runtime]" \
+    && python3 -m pip install -c /wheels/image-constraints.txt \
+        "torch==${TORCH_VERSION}" "torch-npu==${TORCH_NPU_VERSION}" "${wheel}[runtime]" \
     && rm -rf /wheels \
     && (getent group "${ASCEND_GID}" > /dev/null || groupadd --gid "${ASCEND_GID}" HwHiAiUser) \
     && useradd --uid "${APP_UID}" --gid "${ASCEND_GID}" --create-home --shell /usr/sbin/nologin mtp

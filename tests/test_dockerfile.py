@@ -4,6 +4,8 @@ existing in the package, non-root users, and the build context."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import re
 import subprocess
 import sys
@@ -233,11 +235,148 @@ def test_dockerignore_keeps_the_context_small():
     patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert patterns[0] == "*", "allow-list: ignore everything first"
     allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
-    # Exactly what the wheel stage COPYs.
-    assert allowed == {"pyproject.toml", "README.md", "operator", "runtime"}
+    # Exactly what the stages COPY: the wheel stage's sources, the images' pins.
+    assert allowed == {"pyproject.toml", "README.md", "operator", "runtime", CONSTRAINTS}
     copied = re.findall(r"^COPY (?!--from)(.+?) \S+$", (REPO / "Dockerfile").read_text(), re.MULTILINE)
     sources = {src for line in copied for src in line.split()}
     assert sources == allowed
+
+
+CONSTRAINTS = "hack/image-constraints.txt"
+WHEEL = "/wheels/mtp_operator-0.1.0-py3-none-any.whl"
+
+
+def load_constraints_generator():
+    spec = importlib.util.spec_from_file_location("gen_image_constraints", REPO / "hack" / "gen_image_constraints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# What pip receives for each install of the wheel in a stage, as /bin/sh
+# expands it (pip replaced by printf, $wheel set as the RUN's `ls` sets it).
+def wheel_install_argvs(stage: Stage) -> list[list[str]]:
+    argvs = []
+    for run in (arg for kw, arg in stage.instructions if kw == "RUN"):
+        for step in (part.strip() for part in run.split("&&")):
+            if not re.match(r"python3? -m pip install ", step) or "${wheel}" not in step:
+                continue
+            command = re.sub(r"^python3? -m pip install ", r"printf '%s\\n' ", step)
+            env = {"wheel": WHEEL, "TORCH_VERSION": "9.9.9", "TORCH_NPU_VERSION": "9.9.9", "PATH": "/usr/bin:/bin"}
+            done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True, env=env)
+            argvs.append(done.stdout.splitlines())
+    return argvs
+
+
+def constraint_files(argv: list[str]) -> list[str]:
+    files = []
+    for i, arg in enumerate(argv):
+        if arg in ("-c", "--constraint") and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif arg.startswith("--constraint="):
+            files.append(arg.partition("=")[2])
+        elif arg.startswith("-c") and len(arg) > 2:
+            files.append(arg[2:])
+    return files
+
+
+def constraints_path_in_image(stage: Stage) -> str | None:
+    """Where the stage COPYs the constraints file to, if it does."""
+    for keyword, arg in stage.instructions:
+        if keyword == "COPY" and not arg.startswith("--from"):
+            *sources, dest = arg.split()
+            if CONSTRAINTS in sources:
+                return dest + Path(CONSTRAINTS).name if dest.endswith("/") else dest
+    return None
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_wheel_install_uses_the_constraints(dockerfile, target):
+    # Without them the package's open ranges (kopf>=1.37, ...) resolve to
+    # whatever is newest on the day of the build.
+    _, stages = dockerfile
+    stage = stages[target]
+    argvs = wheel_install_argvs(stage)
+    assert argvs, f"stage {target} installs no wheel (expected `pip install ... \"${{wheel}}[...]\"`)"
+    path = constraints_path_in_image(stage)
+    assert path, f"stage {target} does not COPY {CONSTRAINTS}"
+    copy_at = stage.instructions.index(next(i for i in stage.instructions if i[0] == "COPY" and CONSTRAINTS in i[1]))
+    first_run = next(n for n, (kw, arg) in enumerate(stage.instructions) if kw == "RUN" and "${wheel}" in arg)
+    assert copy_at < first_run, f"stage {target}: COPY {CONSTRAINTS} must come before the RUN that installs the wheel"
+    for argv in argvs:
+        assert any(arg.startswith(WHEEL) for arg in argv), argv
+        assert constraint_files(argv) == [path], f"stage {target}: pip install {' '.join(argv)} lacks -c {path}"
+
+
+def constraint_lines() -> list[str]:
+    text = (REPO / CONSTRAINTS).read_text()
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_constraints_pin_every_line_exactly(dockerfile):
+    global_args, _ = dockerfile
+    lines = constraint_lines()
+    bad = [line for line in lines if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[0-9][0-9A-Za-z.!]*", line)]
+    assert not bad, f"{CONSTRAINTS}: not `name==version`: {bad}"
+    names = [line.partition("==")[0] for line in lines]
+    assert names == sorted(names), f"{CONSTRAINTS} is not sorted (run python hack/gen_image_constraints.py)"
+    assert "mtp-operator" not in names
+    # The same torch the package and the images pin (a local label such as +cpu would match one build only).
+    assert f"torch=={global_args['TORCH_VERSION']}" in lines
+
+
+def test_constraints_cover_the_closure(dockerfile):
+    global_args, _ = dockerfile
+    image_python = re.match(r"python:(\d+)\.(\d+)", global_args["PYTHON_IMAGE"]).groups()
+    if sys.version_info[:2] != tuple(map(int, image_python)) or not sys.platform.startswith("linux"):
+        pytest.skip(f"the pins are for the images' Python {'.'.join(image_python)} on Linux: markers differ here")
+    if "+cpu" not in importlib.metadata.version("torch"):
+        pytest.skip("the pins are made beside the CPU torch build; another build brings its own dependencies")
+    problems = load_constraints_generator().check_constraints((REPO / CONSTRAINTS).read_text())
+    assert not problems, "\n".join(problems) + "\n(run python hack/gen_image_constraints.py)"
+
+
+def test_constraints_check_names_only():
+    gen = load_constraints_generator()
+    closure = {"typing-extensions": "4.16.0", "kopf": "1.45.2", "numpy": "2.4.6"}
+    assert gen.check_constraints("# header\nTyping_Extensions==4.0\nkopf==1.50\nnumpy==2.4.6\n", closure) == []
+    problems = gen.check_constraints("kopf>=1.37\nnumpy==2.4.6\nnumpy==2.4.6\n", closure)
+    assert problems == ["line 1: 'kopf>=1.37' is not `name==version`", "line 3: numpy is pinned twice",
+                        "typing-extensions (installed: 4.16.0) is not pinned", "kopf (installed: 1.45.2) is not pinned"]
+
+
+@dataclass
+class FakeDistribution:
+    version: str
+    requires: list[str] | None = None
+
+
+def test_constraints_closure_follows_markers_and_requested_extras(monkeypatch):
+    gen = load_constraints_generator()
+    installed = {
+        "mtp-operator": FakeDistribution("0.1.0", [
+            "pyyaml>=6", 'torch==2.13.0; extra == "runtime"', 'kopf; extra == "operator"',
+            'pytest; extra == "dev"', 'legacy; python_version < "3.0"']),
+        "pyyaml": FakeDistribution("6.0.4"),
+        "torch": FakeDistribution("2.13.0+cpu", ["sympy", 'optree; extra == "optree"']),
+        "sympy": FakeDistribution("1.14.0", ["mpmath"]),
+        "mpmath": FakeDistribution("1.3.0", ["sympy"]),  # a cycle
+        "kopf": FakeDistribution("1.45.2", ['Requests[Socks]; extra == "full-auth"', "aiohttp"]),
+        "aiohttp": FakeDistribution("3.14.5", ['requests; extra == "speedups"']),
+    }
+
+    def distribution(name: str) -> FakeDistribution:
+        if name not in installed:
+            raise gen.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(gen.metadata, "distribution", distribution)
+    assert gen.dependency_closure("mtp-operator", ("runtime", "operator")) == {
+        "aiohttp": "3.14.5", "kopf": "1.45.2", "mpmath": "1.3.0", "pyyaml": "6.0.4",
+        "sympy": "1.14.0", "torch": "2.13.0"}
+    installed["kopf"].requires.append("absent")
+    with pytest.raises(LookupError, match="absent .required by kopf. is not installed"):
+        gen.dependency_closure("mtp-operator", ("operator",))
 
 
 # Runs in a fresh interpreter: makes every import of the runtime extra's own
