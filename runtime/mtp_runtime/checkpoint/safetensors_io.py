@@ -3,8 +3,9 @@
 Reading uses the header plus one positioned read per tensor (os.pread), so a
 caller gets one tensor without touching the rest of a shard, and every byte
 requested from disk is counted in `READ_STATS`. Writing lays out the header
-first and then streams tensors one at a time, hashing as it goes, so memory
-stays at one tensor however large the shard.
+first and then streams tensors one at a time, hashing each in a thread while
+the next is read and written, so memory stays at two tensors however large
+the shard.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,12 +187,17 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
         self.data_bytes = offset
         self._hash = hashlib.sha256()
+        # One worker hashes in write order; hashlib releases the GIL on large buffers.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-sha256")
+        self._hashing: Future | None = None
         self._file = open(self.path, "wb")
         self._emit(struct.pack("<Q", len(raw)) + raw)
 
     def _emit(self, data) -> None:
         self._file.write(data)
-        self._hash.update(data)
+        if self._hashing is not None:
+            self._hashing.result()  # at most one tensor is hashed behind the writes
+        self._hashing = self._hasher.submit(self._hash.update, data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._plan) or self._plan[self._next][0] != name:
@@ -206,16 +213,20 @@ class ShardWriter:
     def close(self) -> str:
         if self._next != len(self._plan):
             missing = self._plan[self._next][0]
-            self._file.close()
+            self.abort()
             raise MissingTensorError(f"{self.path.name}: tensor {missing!r} was planned but never written")
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        self._hasher.shutdown(wait=True)
+        if self._hashing is not None:
+            self._hashing.result()
         self.sha256 = self._hash.hexdigest()
         return self.sha256
 
     def abort(self) -> None:
         self._file.close()
+        self._hasher.shutdown(wait=True, cancel_futures=True)
 
 
 def file_sha256(path: Path) -> str:
