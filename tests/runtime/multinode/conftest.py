@@ -116,3 +116,18 @@ def tiny_dsv3(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "mtp_runtime", "make-tiny", "--arch", "deepseek_v3", "--out", str(out)],
                    check=True, capture_output=True)
     return out
+
+
+# The arguments of tests/runtime/server/test_serve_api.py, so make-tiny's training cache (keyed by them)
+# serves both; a cold run trains for about 10 s on 2 cores, and gives the same weights every time.
+TRAINING = ("--train-steps", "120", "--train-batch", "8", "--train-seq-len", "64")
+
+
+@pytest.fixture(scope="session")
+def trained_dsv3(tmp_path_factory) -> Path:
+    """The tiny DeepSeek-V3, briefly trained, so its MTP draft agrees with the main model often
+    (the random `tiny_dsv3` accepts no drafts and cannot reach the accept path)."""
+    out = tmp_path_factory.mktemp("multinode") / "trained-dsv3"
+    subprocess.run([sys.executable, "-m", "mtp_runtime", "make-tiny", "--arch", "deepseek_v3", "--out", str(out),
+                    *TRAINING], check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return out

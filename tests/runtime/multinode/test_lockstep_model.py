@@ -1,6 +1,7 @@
 """A tiny DeepSeek-V3 sharded over 4 processes (gloo, loopback): greedy MTP outputs
-identical to the unsharded model, tensor and expert parallel, k = 1 and 2. (Two
-ranks are covered end to end through `mtp serve` in test_serve_group.py.)"""
+identical to the unsharded model, tensor and expert parallel, k = 1 and 2, and the
+same draft proposals. (Groups of 2 and 4 ranks are covered end to end through
+`mtp serve` in test_serve_group.py.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""`mtp serve --nnodes 2` on loopback: rank 0's HTTP API gives the single-process
-greedy outputs; a killed worker takes the group down and fails the in-flight request."""
+"""`mtp serve --nnodes 2|4` on loopback: rank 0's HTTP API gives the single-process
+greedy outputs (tensor and expert parallel, k = 1 and 2), also with a trained draft
+that the group accepts as often as the single process does; a killed worker takes
+the group down and fails the in-flight request."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import time
 import httpx
 import pytest
 
+from mtp_runtime.bench.server_metrics import parse_spec_counters
 from mtp_runtime.engine.llm import LLM
+from mtp_runtime.engine.llm_engine import RequestOutput
 from mtp_runtime.multinode.liveness import RANK_LOST_EXIT_CODE
 from mtp_runtime.sampling_params import SamplingParams
 
@@ -19,6 +23,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPTS = [[5, 17, 300, 42, 7], [99, 123, 8, 64, 250, 3, 11]]
 MAX_TOKENS = 10
+# Python source like the training corpus, so the trained draft gets accepted: with k = 2 the single
+# process has steps that accept both drafts (plus the bonus token), only the first, and none.
+TEXT_PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass ",
+                "    for i in range(len(items)):\n        "]
+TEXT_MAX_TOKENS = 16
 HEARTBEAT_S = 3.0
 ENV = {"MTP_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S), "MTP_STARTUP_TIMEOUT_S": "120"}
 
@@ -55,38 +64,73 @@ def wait_healthy(ranks, ports, timeout_s=150.0) -> list[dict]:
     return [bodies[i] for i in range(len(ports))]
 
 
-def complete(port, prompt, max_tokens=MAX_TOKENS, timeout=60.0) -> httpx.Response:
-    body = {"model": "tiny-dsv3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+def stop_group(ranks) -> None:
+    ranks[0].proc.send_signal(signal.SIGTERM)
+    codes = [rank.wait(30) for rank in ranks]
+    assert codes == [0] * len(ranks), "\n---\n".join(r.output for r in ranks)
+
+
+def complete(port, prompt, max_tokens=MAX_TOKENS, timeout=60.0, model="tiny-dsv3") -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=timeout)
+
+
+def single_process_outputs(model, prompts, k, max_tokens) -> list[RequestOutput]:
+    llm = LLM(str(model), draft_model=str(model), num_speculative_tokens=k, device="cpu", dtype="float32",
+              max_seqs_per_batch=4)
+    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
 
 @pytest.fixture(scope="module")
 def single_process(tiny_dsv3) -> dict[int, list[str]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    texts = {}
-    for k in (1, 2):
-        llm = LLM(str(tiny_dsv3), draft_model=str(tiny_dsv3), num_speculative_tokens=k, device="cpu",
-                  dtype="float32", max_seqs_per_batch=4)
-        texts[k] = [out.text for out in llm.generate(PROMPTS, params)]
-    return texts
+    return {k: [out.text for out in single_process_outputs(tiny_dsv3, PROMPTS, k, MAX_TOKENS)] for k in (1, 2)}
 
 
-@pytest.mark.parametrize("k, ep_size", [(1, 1), (2, 2)])
-def test_two_ranks_serve_the_single_process_outputs(start_rank, free_ports, tiny_dsv3, single_process, k, ep_size):
-    ranks, ports = start_group(start_rank, free_ports, tiny_dsv3, k, ep_size)
+@pytest.mark.parametrize("nnodes, k, ep_size", [(2, 1, 1), (2, 2, 2), (4, 2, 1), (4, 1, 4)])
+def test_group_serves_the_single_process_outputs(start_rank, free_ports, tiny_dsv3, single_process,
+                                                 nnodes, k, ep_size):
+    ranks, ports = start_group(start_rank, free_ports, tiny_dsv3, k, ep_size, nnodes)
     bodies = wait_healthy(ranks, ports)
-    assert [b["state"] for b in bodies] == ["ready", "ready"]
+    assert [b["state"] for b in bodies] == ["ready"] * nnodes
     for prompt, expected in zip(PROMPTS, single_process[k]):
         reply = complete(ports[0], prompt)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == expected
-    assert httpx.post(f"http://127.0.0.1:{ports[1]}/v1/completions", json={}).status_code == 404
-    worker_metrics = httpx.get(f"http://127.0.0.1:{ports[1]}/metrics").text
-    assert 'mtp_node_state{state="ready"} 1.0' in worker_metrics
-    assert float(re.search(r"^mtp_worker_model_calls (\S+)$", worker_metrics, re.M).group(1)) > 0
-    ranks[0].proc.send_signal(signal.SIGTERM)
-    codes = [rank.wait(30) for rank in ranks]
-    assert codes == [0, 0], "\n---\n".join(r.output for r in ranks)
+    for port in ports[1:]:
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={}).status_code == 404
+        worker_metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'mtp_node_state{state="ready"} 1.0' in worker_metrics
+        assert float(re.search(r"^mtp_worker_model_calls (\S+)$", worker_metrics, re.M).group(1)) > 0
+    stop_group(ranks)
+
+
+@pytest.fixture(scope="module")
+def trained_single_process(trained_dsv3) -> list[RequestOutput]:
+    return single_process_outputs(trained_dsv3, TEXT_PROMPTS, 2, TEXT_MAX_TOKENS)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_two_ranks_accept_the_drafts_the_single_process_accepts(start_rank, free_ports, trained_dsv3,
+                                                                 trained_single_process, ep_size):
+    expected = trained_single_process
+    steps = sum(out.verify_steps for out in expected)
+    per_position = [sum(out.accepted_per_position[p] for out in expected) for p in (0, 1)]
+    # So that equal outputs below mean the accept path ran across ranks: the single process took
+    # steps that accepted both drafts (and the bonus token), only the first (the second's cache
+    # position rolled back), and none.
+    assert steps > per_position[0] > per_position[1] > 0, [out.accepted_per_position for out in expected]
+    ranks, ports = start_group(start_rank, free_ports, trained_dsv3, 2, ep_size)
+    wait_healthy(ranks, ports)
+    for prompt, out in zip(TEXT_PROMPTS, expected):
+        reply = complete(ports[0], prompt, TEXT_MAX_TOKENS, model=trained_dsv3.name)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == out.text
+    counters = parse_spec_counters(httpx.get(f"http://127.0.0.1:{ports[0]}/metrics").text)
+    assert counters.accepted > 0
+    # The sharded draft proposes what the unsharded one does, step for step.
+    assert (counters.steps, counters.accepted) == (steps, sum(out.accepted_tokens for out in expected))
+    assert counters.per_position == {0: per_position[0], 1: per_position[1]}
+    stop_group(ranks)
 
 
 def test_killed_worker_fails_the_request_and_the_group(start_rank, free_ports, tiny_dsv3):
