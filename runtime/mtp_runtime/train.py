@@ -323,7 +323,7 @@ def distill_draft(model: CausalLM, draft: MtpDraft, ids: torch.Tensor, opts: Tra
                 inputs.append(draft_hidden)
                 tokens.append(window[:, j:span + j])
                 draft_hidden = draft.forward_batched(torch.cat(tokens, 1), torch.cat(inputs, 1), positions,
-                                                     mask)[:, (j - 1) * span:]
+                                                     mask, queries_from=(j - 1) * span)
                 loss = loss + CHAIN_LOSS_WEIGHT * F.cross_entropy(
                     draft.compute_logits(draft_hidden[:, generated]).flatten(0, 1),
                     window[:, j + 1:span + j + 1][:, generated].flatten())

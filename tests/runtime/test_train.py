@@ -224,7 +224,7 @@ def test_chained_draft_in_training_matches_the_paged_draft_chain(arch):
             tokens.append(ids[None, j:span + j])
             positions = train.chain_positions(span, j)
             outs.append(draft.forward_batched(torch.cat(tokens, 1), torch.cat(inputs, 1), positions,
-                                              train.chain_mask(span, j))[:, (j - 1) * span:])
+                                              train.chain_mask(span, j), queries_from=(j - 1) * span))
         for t in (0, 4, span - 1):
             caches = allocate_caches(draft.kv_cache_spec(), span + depth, torch.float32, "cpu")
             h = draft(ids[1:t + 2], hidden[0, :t + 1], torch.arange(t + 1), caches,
@@ -234,6 +234,34 @@ def test_chained_draft_in_training_matches_the_paged_draft_chain(arch):
                 h = draft(ids[t + j:t + j + 1], h, torch.tensor([t + j - 1]), caches,
                           AttentionMetadata.for_sequence(t + j - 1, 1))
                 torch.testing.assert_close(h[0], outs[j - 1][0, t], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch, extra", [("deepseek_v3", {}), ("deepseek_v32", {"index_topk": 6}),
+                                         ("glm4_moe", {})])
+def test_key_only_rows_give_the_full_forward_of_the_query_rows(arch, extra):
+    """forward_batched(queries_from=n): the rows before n only give keys; the other rows' outputs and every
+    gradient are those of the full forward whose first n outputs are thrown away."""
+    _, draft = train.build_for_training(build_config(arch, **SIZES, **extra), seed=0)
+    span, j = 10, 3
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 500, (2, j * span), generator=gen)
+    hidden = torch.randn(2, j * span, SIZES["hidden_size"], generator=gen)
+    positions, mask = train.chain_positions(span, j), train.chain_mask(span, j)
+    results = []
+    for queries_from, keep in ((0, slice((j - 1) * span, None)), ((j - 1) * span, slice(None))):
+        draft.zero_grad()
+        inputs = hidden.clone().requires_grad_(True)
+        out = draft.forward_batched(tokens, inputs, positions, mask, queries_from=queries_from)[:, keep]
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        results.append((out.detach(), inputs.grad, grads))
+    (full, full_input_grad, full_grads), (part, part_input_grad, part_grads) = results
+    assert part.shape == (2, span, SIZES["hidden_size"])
+    torch.testing.assert_close(part, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(part_input_grad, full_input_grad, rtol=1e-4, atol=1e-6)
+    assert full_grads.keys() == part_grads.keys() and full_grads
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(part_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_chain_distillation_loss_adds_the_chained_drafts(monkeypatch):

@@ -265,6 +265,20 @@ def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
     return keys[None, :] <= query_positions[:, None]
 
 
+def query_rows(q: torch.Tensor, mask: torch.Tensor | None, first: int, num_keys: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Training attention for the query rows from `first` on, over all `num_keys` keys:
+    q [B, S, heads, d] -> [B, S - first, heads, d]; mask [..., S, S] -> [..., S - first, S]
+    (None, causal: made explicit, since a causal flag would align the rows from the top)."""
+    if not first:
+        return q, mask
+    if mask is None:
+        mask = causal_mask(torch.arange(first, num_keys, device=device), num_keys)
+    else:
+        mask = mask[..., first:, :]
+    return q[:, first:], mask
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
            scale: float) -> torch.Tensor:
     """q [n, H, D], k [L, Hk, D], v [L, Hk, Dv], allowed [n, L] (None: every key) -> [n, H, Dv].

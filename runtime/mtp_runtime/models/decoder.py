@@ -44,8 +44,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn.forward_batched(self.input_layernorm(x), cos, sin, mask)
+                        mask: torch.Tensor | None = None, queries_from: int = 0) -> torch.Tensor:
+        """x [B, S, H] -> [B, S - queries_from, H]: rows before `queries_from` only give keys (their
+        outputs would be thrown away: the chained drafts of training)."""
+        x = x[:, queries_from:] + self.self_attn.forward_batched(self.input_layernorm(x), cos, sin, mask, queries_from)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -11,7 +11,7 @@ from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
 from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, attend, attend_decode_batch, causal_mask,
-                                         gather_cache, write_cache)
+                                         gather_cache, query_rows, write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.layers.rotary_embedding import apply_rope_halves
@@ -86,9 +86,10 @@ class GQAttention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
     def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+                        mask: torch.Tensor | None = None, queries_from: int = 0) -> torch.Tensor:
         """Training path, as MLAttention.forward_batched (mask [S, S] replaces the causal one)."""
         q, k, v = self._project(x, cos, sin)
+        q, mask = query_rows(q, mask, queries_from, x.shape[1], x.device)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                              is_causal=mask is None, scale=self.scale, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(-2))

@@ -17,7 +17,7 @@ from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
 from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, attend, attend_decode_batch_shared,
-                                         causal_mask, gather_cache, write_cache)
+                                         causal_mask, gather_cache, query_rows, write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.layers.rotary_embedding import apply_rope_halves, apply_rope_interleaved
@@ -136,9 +136,10 @@ class MLAttention(nn.Module):
         return out
 
     def forward_batched(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Training path: x [B, S, H] (rotated by cos/sin [S, rope]), no cache -> [B, S, H]. mask [S, S]
-        (True: the query row may see the key row) replaces the causal mask."""
+                        mask: torch.Tensor | None = None, queries_from: int = 0) -> torch.Tensor:
+        """Training path: x [B, S, H] (rotated by cos/sin [S, rope]), no cache -> [B, S - queries_from, H].
+        mask [S, S] (True: the query row may see the key row) replaces the causal mask; rows before
+        `queries_from` are keys only."""
         q_nope, q_rot, latent, q_latent = self._project(x, cos, sin)
         c, k_rot = latent.split([self.kv_rank, self.rope], dim=-1)
         k_nope, v = self.kv_b_proj(c).unflatten(-1, (self.num_heads, -1)).split([self.nope, self.v_dim], dim=-1)
@@ -150,6 +151,7 @@ class MLAttention(nn.Module):
                 iq, ik, iw = self.indexer.queries_and_keys(x, q_latent, cos, sin)
                 allowed = causal_mask(torch.arange(seq_len, device=x.device), seq_len) if mask is None else mask
                 mask = self.indexer.select(iq, ik, iw, allowed.expand(x.shape[0], -1, -1)).unsqueeze(1)  # [B, 1, S, S]
+        q, mask = query_rows(q, mask, queries_from, seq_len, x.device)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).flatten(-2))

@@ -82,13 +82,14 @@ class MtpDraft(GraphMode, nn.Module):
         return self.shared_head.norm(x)
 
     def forward_batched(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Training: input_ids [B, S], hidden [B, S, H] -> [B, S, H]. Rows sit at `positions` [S] (default
-        0..S-1) and each sees the rows `mask` [S, S] allows (default: itself and every earlier row)."""
+                        mask: torch.Tensor | None = None, queries_from: int = 0) -> torch.Tensor:
+        """Training: input_ids [B, S], hidden [B, S, H] -> [B, S - queries_from, H]. Rows sit at `positions`
+        [S] (default 0..S-1) and each sees the rows `mask` [S, S] allows (default: itself and every earlier
+        row); rows before `queries_from` only give keys."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = self.rotary(positions)
-        x = self.layer.forward_batched(self._combine(input_ids, hidden), cos, sin, mask)
+        x = self.layer.forward_batched(self._combine(input_ids, hidden), cos, sin, mask, queries_from)
         return self.shared_head.norm(x)
 
     def compute_logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
