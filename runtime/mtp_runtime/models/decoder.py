@@ -47,7 +47,10 @@ class DecoderLayer(nn.Module):
                         mask: torch.Tensor | None = None, queries_from: int = 0) -> torch.Tensor:
         """x [B, S, H] -> [B, S - queries_from, H]: rows before `queries_from` only give keys (their
         outputs would be thrown away: the chained drafts of training)."""
-        x = x[:, queries_from:] + self.self_attn.forward_batched(self.input_layernorm(x), cos, sin, mask, queries_from)
+        attn = self.self_attn.forward_batched(self.input_layernorm(x), cos, sin, mask, queries_from)
+        # No slice at 0: a slice node would change the order in which backward sums x's gradients,
+        # and so the bits of joint training.
+        x = (x[:, queries_from:] if queries_from else x) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
