@@ -6,8 +6,8 @@
 None for the rank-independent pod template, where the rank arrives in the
 MTP_NODE_RANK environment variable (Kubernetes expands `$(MTP_NODE_RANK)` in
 args). vLLM needs different flags per rank (`--headless` and the DP start rank
-on non-zero ranks) and xLLM one process per device; their templates are fixed
-`sh -c` programs that receive every user value as a positional argument, so
+on non-zero ranks), and the builtin runtime and xLLM run one process per device
+of a pod; those templates are fixed `sh -c` programs that receive every user value as a positional argument, so
 nothing from the spec is ever parsed by a shell.
 """
 
@@ -62,9 +62,12 @@ def _master_flag(spec: MtpDeploymentSpec, ctx: LaunchContext) -> str:
     return _flag("master_node_addr", f"{ctx.master_host}:{spec.ports.master}")
 
 
-def _one_process_flags(ctx: LaunchContext) -> list[str]:
-    return [_flag("devices", ctx.devices), _flag("draft_devices", ctx.devices), _flag("port", ctx.http_port),
-            _flag("nnodes", ctx.nnodes), _flag("node_rank", _rank_text(ctx))]
+def _device_flags(ctx: LaunchContext) -> list[str]:
+    return [_flag("devices", ctx.devices), _flag("draft_devices", ctx.devices), _flag("port", ctx.http_port)]
+
+
+def _rank_flags(ctx: LaunchContext) -> list[str]:
+    return [_flag("nnodes", ctx.nnodes), _flag("node_rank", _rank_text(ctx))]
 
 
 # Both the builtin runtime and xLLM run one process per device (xLLM's
@@ -121,8 +124,8 @@ def builtin_argv(spec: MtpDeploymentSpec, ctx: LaunchContext) -> list[str]:
     if devices_per_process(ctx) > 1:
         return _per_device([*shared, _master_flag(spec, ctx), *tail], ctx)
     if ctx.nnodes > 1:
-        return shared + [_master_flag(spec, ctx)] + _one_process_flags(ctx) + tail
-    return shared + _one_process_flags(ctx)[:3] + tail  # one process: no rendezvous
+        return shared + [_master_flag(spec, ctx)] + _device_flags(ctx) + _rank_flags(ctx) + tail
+    return shared + _device_flags(ctx) + tail  # one process: no rendezvous
 
 
 def xllm_argv(spec: MtpDeploymentSpec, ctx: LaunchContext) -> list[str]:
@@ -135,7 +138,7 @@ def xllm_argv(spec: MtpDeploymentSpec, ctx: LaunchContext) -> list[str]:
     tail = _serve_flags(spec) + list(spec.extra_args)
     if devices_per_process(ctx) > 1:
         return _per_device(shared + tail, ctx)
-    return shared + _one_process_flags(ctx) + tail
+    return shared + _device_flags(ctx) + _rank_flags(ctx) + tail
 
 
 def vllm_layout(spec: MtpDeploymentSpec, devices_per_node: int) -> tuple[int, int, int]:
