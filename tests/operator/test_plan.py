@@ -153,8 +153,11 @@ def test_xllm_pod_script_starts_one_process_per_device(make_spec, tmp_path):
     plan = _plan(make_spec, {"engine": "xllm", "accelerator": {"resourceName": "huawei.com/Ascend910",
                                                                "count": 3}})
     env = _fake_program(tmp_path, "xllm", 'for a in "$@"; do case "$a" in --node_rank=*) r=${a#*=};; esac; done\n'
-                               'printf "%s\\n" "$@" > "$OUT/args-$r"\n'
-                               'if [ "$r" = 3 ]; then exit 7; fi\nexec sleep 60\n')
+                               'printf "%s\\n" "$@" > "$OUT/args-$r.tmp"\nmv "$OUT/args-$r.tmp" "$OUT/args-$r"\n'
+                               # process 3 exits once all three have started (else the others could be
+                               # stopped before they record their arguments)
+                               'if [ "$r" = 3 ]; then while [ "$(ls "$OUT" | grep -c "^args-[0-9]*$")" -lt 3 ]; '
+                               'do sleep 0.05; done; exit 7; fi\nexec sleep 60\n')
     argv = [_kubernetes_expand(a, {"MTP_NODE_RANK": "1"}) for a in plan.pod_argv]
     started = time.monotonic()
     done = subprocess.run(argv, env=env, timeout=30, capture_output=True, text=True, start_new_session=True)
