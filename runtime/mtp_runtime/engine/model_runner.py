@@ -149,8 +149,16 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
         """Run one step; returns per sequence the tokens to append and the drafts accepted,
         and leaves each sampled sequence's next drafts in seq.draft_token_ids."""
-        if self.decode_step is not None and self._is_greedy_decode(batch):
-            return self._execute_decode_step(batch)
+        if self.decode_step is not None:
+            decoding = [i for i in range(len(batch)) if self._is_greedy_decode_row(batch, i)]
+            if len(decoding) == len(batch):
+                return self._execute_decode_step(batch)
+            if decoding:
+                return self._execute_split(batch, decoding)
+        return self._execute_eager(batch)
+
+    def _execute_eager(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
+        """The general step: one main forward over every chunk and verify position of the batch."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -175,11 +183,25 @@ class ModelRunner:
             self._propose(batch, hidden, qsl, slots, new_tokens, accepted)
         return new_tokens, accepted
 
-    def _is_greedy_decode(self, batch: ScheduledBatch) -> bool:
-        """Every sequence decodes (its one uncached token plus k drafts) and samples greedily."""
-        k = self.k
-        return all(chunk == 1 and nd == k and samples and seq.params.greedy for seq, chunk, nd, samples in
-                   zip(batch.seqs, batch.num_chunk_tokens, batch.num_draft_tokens, batch.samples))
+    def _is_greedy_decode_row(self, batch: ScheduledBatch, i: int) -> bool:
+        """Sequence i of the batch decodes (its one uncached token plus k drafts) and samples greedily."""
+        return batch.num_chunk_tokens[i] == 1 and batch.num_draft_tokens[i] == self.k and batch.samples[i] \
+            and batch.seqs[i].params.greedy
+
+    def _execute_split(self, batch: ScheduledBatch, decoding: list[int]) -> tuple[list[list[int]], list[int]]:
+        """A step mixing greedy decodes with prompt chunks (or sampled sequences): the decodes take the
+        one-call graph and the rest the general step. The two touch different sequences, so their
+        order does not matter; as one step, every decode would run eagerly beside a prompt chunk (a
+        continuous-batching server does this whenever a request arrives while others decode)."""
+        chosen = set(decoding)
+        rest = [i for i in range(len(batch)) if i not in chosen]
+        new_tokens: list[list[int]] = [[] for _ in batch.seqs]
+        accepted = [0] * len(batch.seqs)
+        for rows, run in ((decoding, self._execute_decode_step), (rest, self._execute_eager)):
+            tokens, acc = run(batch.subset(rows))
+            for i, t, a in zip(rows, tokens, acc):
+                new_tokens[i], accepted[i] = t, a
+        return new_tokens, accepted
 
     def _execute_decode_step(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
         seqs = batch.seqs

@@ -83,8 +83,11 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def greedy_verify(target_argmax: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """target_argmax [B, k+1], drafts [B, k] -> number of leading drafts that match, [B]."""
-    matches = (target_argmax[:, :-1] == drafts).int()
-    return matches.cumprod(dim=1).sum(dim=1)
+    # The index of the first mismatch, with a mismatch appended after the last draft. argmax (the
+    # first maximum) compiles to a fused loop; the cumprod this replaces ran as a library call
+    # costing more than the rest of the acceptance.
+    mismatch = target_argmax[:, :-1] != drafts
+    return torch.cat([mismatch, torch.ones_like(mismatch[:, :1])], dim=1).int().argmax(dim=1)
 
 
 def speculative_verify(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,

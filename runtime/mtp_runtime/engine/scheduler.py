@@ -33,6 +33,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_chunk_tokens) + sum(self.num_draft_tokens)
 
+    def subset(self, rows: list[int]) -> "ScheduledBatch":
+        """The batch of sequences `rows` alone (in that order), for a step run in parts."""
+        return ScheduledBatch([self.seqs[i] for i in rows], [self.num_chunk_tokens[i] for i in rows],
+                              [self.num_draft_tokens[i] for i in rows], [self.samples[i] for i in rows])
+
 
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_seqs_per_batch: int,

@@ -99,12 +99,28 @@ def test_one_call_decode_step_output_is_plain_decoding(kit, tiny_models, arch, k
                  for rid, req in requests.items()}
     engine = kit.make_engine(tiny_models[arch], k)
     calls = one_call_decode_steps(engine)
+    runner = engine.runner
+    general, split = [], []  # batches of the general step; steps that ran in both parts
+
+    def general_step(batch, run=runner._execute_eager):
+        general.append(batch)
+        return run(batch)
+
+    def split_step(batch, decoding, run=runner._execute_split):
+        split.append(len(batch))
+        return run(batch, decoding)
+
+    runner._execute_eager, runner._execute_split = general_step, split_step
     if k:
         kit.OracleDrafts(engine, reference, hit_rate=0.7, seed=k)
     sampled = {"s0": ([3, 4, 5], SamplingParams(temperature=0.8, max_tokens=12, seed=1))}
     got = kit.run_requests(engine, {**requests, **sampled}, {**arrivals, 1: ["s0"]})
     assert {rid: got[rid] for rid in requests} == reference and len(got["s0"]) == 12
     assert len(calls) > 3 and max(calls) > 1
+    # A prompt arriving, or the sampled request, beside greedy decodes splits the step: the decodes
+    # still take the one-call path, and the general step never sees a greedy decode.
+    assert len(split) >= 3, "no step mixed greedy decodes with other sequences"
+    assert general and not any(runner._is_greedy_decode_row(b, i) for b in general for i in range(len(b)))
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 
 

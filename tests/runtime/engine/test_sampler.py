@@ -51,6 +51,21 @@ def test_greedy_verify_counts_leading_matches():
     assert greedy_verify(target, drafts).tolist() == [3, 1, 0]
 
 
+def test_greedy_verify_matches_a_loop_on_every_pattern():
+    """Every match pattern of k = 1..4 drafts (later matches after a mismatch do not count)."""
+    for k in range(1, 5):
+        patterns = torch.tensor([[(p >> j) & 1 for j in range(k)] for p in range(2 ** k)], dtype=torch.bool)
+        target = torch.randint(0, 50, (len(patterns), k + 1), generator=torch.Generator().manual_seed(k))
+        drafts = torch.where(patterns, target[:, :k], target[:, :k] + 1)
+        expected = []
+        for row in patterns.tolist():
+            a = 0
+            while a < k and row[a]:
+                a += 1
+            expected.append(a)
+        assert greedy_verify(target, drafts).tolist() == expected
+
+
 def run_speculative(p, q, n, seed, accept_all=False):
     """Draw n speculative steps with fixed per-position target p [k+1, V] and draft q [k, V]."""
     g = torch.Generator().manual_seed(seed)
