@@ -16,7 +16,10 @@ token plus its k drafts), this module runs the whole step as one graph:
    the eager step; runtime/README.md, "Speculative step"), and only row a
    attends and runs the MLP (models.mtp.MtpDraft.forward_selected);
 4. the draft hidden at row a gives the first new draft; k-1 chained
-   single-token draft forwards give the rest.
+   single-token draft forwards give the rest, on a copy of the step's own
+   cache blocks (their keys lie past each sequence's verified length, so the
+   cache itself never needs them; a second write to the cache in one graph
+   made inductor copy all of it).
 
 Positions, cache slots and the attention masks are computed inside the
 graph from the block tables and the cached lengths, so the host sends one
@@ -132,11 +135,19 @@ class GreedyDecodeStep:
                                         select)  # [B, H]
         draft = self.draft.compute_logits(h).argmax(-1)
         drafts = [draft]
+        if k > 1:
+            # The chain writes its keys into a copy of just this step's blocks, not into the cache:
+            # a graph that wrote the cache a second time made inductor copy the whole cache (every
+            # block of every sequence) on each step. The cache needs none of them: they sit past
+            # each sequence's verified length, where the next step writes before it reads.
+            local_caches = [{name: cache.index_select(0, tables.flatten()) for name, cache in layer.items()}
+                            for layer in draft_caches]
+            local_tables = torch.arange(tables.numel(), device=device).view(tables.shape)
         for j in range(1, k):
             # the draft at position p reads the token at p + 1; position cached + accepted + j holds drafts[j-1]
             pos = (cached + accepted + j).unsqueeze(1)  # [B, 1]
-            h = self.draft._forward_eager(draft, h, pos.flatten(), draft_caches,
-                                          _metadata(tables, pos, key_pos, bs))
+            h = self.draft._forward_eager(draft, h, pos.flatten(), local_caches,
+                                          _metadata(local_tables, pos, key_pos, bs))
             draft = self.draft.compute_logits(h).argmax(-1)
             drafts.append(draft)
         return targets, accepted, torch.stack(drafts, dim=1)
