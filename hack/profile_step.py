@@ -17,6 +17,10 @@ does: minutes per k): for each k, the whole step and its verify half alone (the 
 k + 1 rows, its logits and argmax), so the draft's share is the difference. The steps take turns
 within each round and every guard is evaluated (several engines share a process), so the figures
 sit a fixed guard-check cost above the engine's; compare them as ratios to k = 0.
+
+The caches are zeros and every token is the same, so every row routes to the same experts: a
+verify step's real extra cost (its rows reading more experts) is understated. For steps on real
+text, time the engine on held-out prompts (hack/bench_engine.py, or `mtp bench` for serving).
 """
 
 from __future__ import annotations
