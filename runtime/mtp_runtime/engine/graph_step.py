@@ -136,10 +136,7 @@ class GreedyDecodeStep:
         draft = self.draft.compute_logits(h).argmax(-1)
         drafts = [draft]
         if k > 1:
-            # The chain writes its keys into a copy of just this step's blocks, not into the cache:
-            # a graph that wrote the cache a second time made inductor copy the whole cache (every
-            # block of every sequence) on each step. The cache needs none of them: they sit past
-            # each sequence's verified length, where the next step writes before it reads.
+            # the chain's keys go to a copy of this step's blocks, not the cache (module docstring, 4.)
             local_caches = [{name: cache.index_select(0, tables.flatten()) for name, cache in layer.items()}
                             for layer in draft_caches]
             local_tables = torch.arange(tables.numel(), device=device).view(tables.shape)
