@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from mtp_runtime.multinode.node_rank import POD_INDEX_ENV, NodeRankError, resolve_node_rank
 
 API_KEY_ENV = "MTP_API_KEY"  # used when --api_key is not given
+# Seconds SIGTERM lets in-flight requests finish; the operator sizes the pods'
+# terminationGracePeriodSeconds above it.
+SHUTDOWN_TIMEOUT_DEFAULT = 30.0
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d+|npu:\d+)$")
@@ -69,7 +72,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max_waiting_requests", type=int, default=256,
         help="queued requests beyond which new ones get 429")
     add("--max_model_len", type=int, default=None, help="context limit (default: the model's)")
-    add("--shutdown_timeout", type=float, default=30.0,
+    add("--shutdown_timeout", type=float, default=SHUTDOWN_TIMEOUT_DEFAULT,
         help="seconds SIGTERM waits for in-flight requests before aborting them")
 
 
@@ -146,13 +149,35 @@ def _check_accelerator(flag: str, devices: list[str]) -> None:
                 raise ServeArgsError(f"--{flag}: {d} is not available (this host has {count} CUDA devices)")
 
 
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse that raises ServeArgsError instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ServeArgsError(message)
+
+
+def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
+    """`mtp serve`'s flags (no program name) parsed as the server parses them;
+    ServeArgsError for an unknown flag or a value of the wrong type."""
+    parser = _RaisingParser(prog="mtp serve", add_help=False)
+    add_serve_arguments(parser)
+    return parser.parse_args(argv)
+
+
 def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = None,
-                        hostname: str | None = None, check_devices: bool = True) -> ServeArgs:
-    """Turn parsed flags into ServeArgs, or raise ServeArgsError naming the flag."""
+                        hostname: str | None = None, check_devices: bool = True,
+                        check_files: bool = True) -> ServeArgs:
+    """Turn parsed flags into ServeArgs, or raise ServeArgsError naming the flag.
+
+    check_files=False and check_devices=False leave out what only the serving
+    machine can tell (model directories, devices): the operator checks a spec's
+    flags this way before it starts a pod that would refuse them.
+    """
     env = dict(os.environ if env is None else env)
-    if not os.path.isfile(os.path.join(ns.model, "config.json")):
+    if check_files and not os.path.isfile(os.path.join(ns.model, "config.json")):
         raise ServeArgsError(f"--model: {ns.model} has no config.json; pass a model directory")
-    if ns.draft_model is not None and not os.path.isfile(os.path.join(ns.draft_model, "config.json")):
+    if (check_files and ns.draft_model is not None
+            and not os.path.isfile(os.path.join(ns.draft_model, "config.json"))):
         raise ServeArgsError(f"--draft_model: {ns.draft_model} has no config.json; pass the `mtp export` output")
     k = ns.num_speculative_tokens
     if k is None:

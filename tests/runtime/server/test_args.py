@@ -129,3 +129,21 @@ def test_enable_graph_flag(model_dir):
     assert parse(["--model", m, "--enable_graph"]).enable_graph is True
     reject(["--model", m, "--enable_graph", "--nnodes", "2", "--master_node_addr", "mtp-0.mtp:23456",
             "--node_rank", "0"], "--enable_graph")
+
+
+def test_flags_parse_and_validate_without_files_or_devices():
+    """What the operator runs on a spec's flags before any pod exists: argparse
+    errors raise instead of exiting, and no model directory is needed."""
+    from mtp_runtime.server.args import parse_serve_argv
+
+    with pytest.raises(ServeArgsError, match="unrecognized arguments: --no_such_flag"):
+        parse_serve_argv(["--model", "/absent", "--no_such_flag=1"])
+    with pytest.raises(ServeArgsError, match="--block_size: invalid int value"):
+        parse_serve_argv(["--model", "/absent", "--block_size=big"])
+    ns = parse_serve_argv(["--model", "/absent", "--draft_model", "/absent-mtp", "--block_size=16"])
+    with pytest.raises(ServeArgsError, match="--model: /absent has no config.json"):
+        validate_serve_args(ns, env={}, check_devices=False)
+    assert validate_serve_args(ns, env={}, check_devices=False, check_files=False).block_size == 16
+    ns = parse_serve_argv(["--model", "/absent", "--block_size=4096"])
+    with pytest.raises(ServeArgsError, match="--block_size: 4096 is out of range"):
+        validate_serve_args(ns, env={}, check_devices=False, check_files=False)
