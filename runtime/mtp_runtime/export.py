@@ -4,13 +4,16 @@ Streams through the safetensors index: only shards holding MTP tensors are
 opened and only those tensors' bytes are read, one tensor at a time. Output
 goes to a temporary directory beside the target, `mtp-export.json` is written
 last, and the directory is renamed into place, so a reader never sees a
-partial export.
+partial export. The output never overlaps the input: an output directory that
+is, contains or lies inside the input directory is refused before anything is
+written, so replacing an earlier export can never delete the checkpoint.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +39,7 @@ EXIT_CORRUPT_INPUT = 7  # truncated/corrupt shard, invalid JSON, config lacking 
 EXIT_OUTPUT_CONFLICT = 8  # output dir holds foreign files, or a different export without --force
 EXIT_NO_SPACE = 9  # ENOSPC/EDQUOT while writing
 EXIT_IO_ERROR = 10  # any other OS error
+EXIT_OUTPUT_OVERLAPS_INPUT = 11  # output dir is, contains or lies inside the input dir
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm4_moe")
 # Output shards are cut at this size, like Hugging Face's default.
@@ -106,6 +110,7 @@ def _export(input_dir, output_dir, model_type, force, keep_fp8, max_shard_bytes)
         raise ExportError(EXIT_MISSING_INPUT, f"{input_dir}: input directory not found")
     if not (input_dir / CONFIG_FILE).is_file():
         raise ExportError(EXIT_MISSING_INPUT, f"{input_dir / CONFIG_FILE}: config.json not found")
+    check_no_overlap(input_dir, output_dir)
     read_before = READ_STATS.bytes_read
     opens_before = len(READ_STATS.opens)
     index = CheckpointIndex(input_dir)
@@ -140,6 +145,42 @@ def _export(input_dir, output_dir, model_type, force, keep_fp8, max_shard_bytes)
         shards_opened=sorted({Path(p).name for p in READ_STATS.opens[opens_before:]}),
         files=files,
     )
+
+
+def _same_dir_among(path: Path, ancestors_of: Path) -> bool:
+    """True if `path` is `ancestors_of` or one of its parents (by inode, so symlinks and bind mounts
+    count; by resolved path components for what does not exist yet)."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return False
+    for candidate in (ancestors_of, *ancestors_of.parents):
+        try:
+            if os.path.samestat(target, os.stat(candidate)):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def check_no_overlap(input_dir: Path, output_dir: Path) -> None:
+    """Refuse an output directory that is, contains or lies inside the input directory.
+
+    Writing inside the checkpoint would mix the draft into it, and replacing an
+    output that contains the checkpoint (an earlier export, --force) would
+    delete it.
+    """
+    src, dst = input_dir.resolve(), output_dir.resolve()
+    if dst == src or dst.is_relative_to(src) or _same_dir_among(src, dst):
+        same = dst == src or (dst.exists() and os.path.samefile(src, dst))
+        where = "is" if same else "lies inside"
+        raise ExportError(EXIT_OUTPUT_OVERLAPS_INPUT,
+                          f"--output-dir {output_dir} {where} the input directory {input_dir}: the export would "
+                          "write into the checkpoint it reads; choose an output directory outside it")
+    if src.is_relative_to(dst) or _same_dir_among(dst, src):
+        raise ExportError(EXIT_OUTPUT_OVERLAPS_INPUT,
+                          f"--output-dir {output_dir} contains the input directory {input_dir}: replacing it would "
+                          "delete the checkpoint; choose an output directory that does not hold the input")
 
 
 def resolve_arch(config: dict, model_type: str | None) -> str:

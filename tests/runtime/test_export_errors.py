@@ -181,3 +181,51 @@ def test_no_space_left(model, capsys, monkeypatch, where):
 def test_exit_codes_are_distinct():
     codes = [v for k, v in vars(export).items() if k.startswith("EXIT_") and k != "EXIT_OK"]
     assert len(codes) == len(set(codes)) and 0 not in codes and 1 not in codes and 2 not in codes
+
+
+def tree_digest(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_force_never_replaces_an_output_that_holds_the_input(model, tmp_path, capsys):
+    # The data-loss sequence: export, copy the checkpoint into the export, re-export from the copy
+    # into that same export with --force. Before, the copy (the new input) was deleted.
+    out = tmp_path / "x" / "out"
+    assert cli.main(["export", "--input-dir", str(model), "--output-dir", str(out)]) == 0
+    shutil.copytree(model, out / "model")
+    before = tree_digest(out)
+    capsys.readouterr()
+    code = cli.main(["export", "--input-dir", str(out / "model"), "--output-dir", str(out), "--force"])
+    err = capsys.readouterr().err
+    assert code == export.EXIT_OUTPUT_OVERLAPS_INPUT
+    assert err.startswith("mtp export: error: ") and "contains the input directory" in err
+    assert str(out) in err and str(out / "model") in err
+    assert tree_digest(out) == before  # the input checkpoint and the old export are untouched
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]  # no temp dir left beside it
+
+
+@pytest.mark.parametrize("inside", ["draft", "sub/draft", "."])
+def test_output_inside_the_input_is_refused(model, capsys, inside):
+    before = tree_digest(model)
+    target = model / inside
+    code = cli.main(["export", "--input-dir", str(model), "--output-dir", str(target), "--force"])
+    err = capsys.readouterr().err
+    assert code == export.EXIT_OUTPUT_OVERLAPS_INPUT
+    assert ("is the input directory" if inside == "." else "lies inside the input directory") in err
+    assert str(model) in err
+    assert tree_digest(model) == before and not (model / "sub").exists()
+
+
+def test_output_reaching_the_input_through_a_symlink_is_refused(model, tmp_path, capsys):
+    link = tmp_path / "link"
+    link.symlink_to(model, target_is_directory=True)
+    code = cli.main(["export", "--input-dir", str(model), "--output-dir", str(link / "draft")])
+    assert code == export.EXIT_OUTPUT_OVERLAPS_INPUT and "lies inside" in capsys.readouterr().err
+    assert not (model / "draft").exists()
+
+
+def test_output_beside_the_input_still_works(model, capsys):
+    # A sibling whose name starts with the input's (model-mtp next to model) is not inside it.
+    target = model.parent / f"{model.name}-mtp"
+    assert cli.main(["export", "--input-dir", str(model), "--output-dir", str(target)]) == 0
+    assert (target / "mtp-export.json").is_file()

@@ -20,7 +20,8 @@ re-run on an up-to-date output returns at once.
 
 Exit codes: 0 ok, 2 usage, 3 missing input file, 4 unknown model type,
 5 no MTP layer, 6 MTP tensors missing, 7 corrupt input, 8 output directory
-conflict, 9 no space left, 10 other I/O error.
+conflict, 9 no space left, 10 other I/O error, 11 output directory is,
+contains or lies inside the input directory.
 
 Example:
   mtp export --input-dir /models/DeepSeek-V3 --output-dir /models/DeepSeek-V3-mtp
