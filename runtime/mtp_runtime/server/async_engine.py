@@ -170,9 +170,10 @@ class AsyncEngine:
                 log.error("engine step failed\n%s", traceback.format_exc())
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
+            # Gauges first: a client that has its answer must find it no longer counted as running.
+            self._publish_state()
             for out in outputs:
                 self._deliver(out)
-            self._publish_state()
 
     def _deliver(self, out) -> None:
         self.metrics.observe_output(out)
