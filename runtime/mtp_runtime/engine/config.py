@@ -25,6 +25,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit block count (tests, tiny budgets); None: sized from memory
     seed: int = 0  # generator for requests without their own seed
     enable_graph: bool = False  # decode/verify/draft forwards compiled (torch.compile); start-up compiles them
+    # Adaptive depth: num_speculative_tokens is the largest k; every step picks k in 0..K (engine/spec_policy.py)
+    speculative_adaptive: bool = False
 
     def __post_init__(self) -> None:
         if not Path(self.model, "config.json").is_file():
@@ -49,8 +51,11 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda", "npu"),
                "device", self.device, "cpu, cuda[:i] or npu[:i]")
-        for name in ("enable_prefix_cache", "enable_chunked_prefill", "enable_graph"):
+        for name in ("enable_prefix_cache", "enable_chunked_prefill", "enable_graph", "speculative_adaptive"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
+        if self.speculative_adaptive and not self.num_speculative_tokens:
+            raise ValueError("EngineConfig.speculative_adaptive=True needs num_speculative_tokens >= 1: it is the "
+                             "largest k adaptive depth may choose")
 
     @property
     def speculative(self) -> bool:

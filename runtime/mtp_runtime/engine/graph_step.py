@@ -87,10 +87,15 @@ def _metadata(tables: torch.Tensor, positions: torch.Tensor, key_pos: torch.Tens
 class GreedyDecodeStep:
     """One compiled greedy decode step over `main` (and `draft` with k >= 1 drafts per sequence)."""
 
-    def __init__(self, main, draft, k: int, block_size: int, compile_graph: bool = True):
-        if k and draft is None:
-            raise ValueError("GreedyDecodeStep: k >= 1 drafts need the MTP draft model")
+    def __init__(self, main, draft, k: int, block_size: int, compile_graph: bool = True, draft_keys: bool = False):
+        """draft_keys (k = 0 only): the step also writes the draft cache's keys for the position it
+        makes final, as adaptive depth's steps at k = 0 do (ModelRunner._propose)."""
+        if (k or draft_keys) and draft is None:
+            raise ValueError("GreedyDecodeStep: k >= 1 drafts (or draft_keys) need the MTP draft model")
+        if draft_keys and k:
+            raise ValueError("GreedyDecodeStep: draft_keys is for a k = 0 step; with drafts every key is written")
         self.main, self.draft, self.k, self.block_size = main, draft, k, block_size
+        self.draft_keys = draft_keys
         self._fn = compile_method(self._step, cpp_wrapper=True) if compile_graph else self._step
         self._warm = False
 
@@ -122,6 +127,8 @@ class GreedyDecodeStep:
         n = k + 1
         targets, hidden, positions, key_pos, meta = self._verify(plan, main_caches)
         if not k:
+            if self.draft_keys:  # the draft at position p reads the token at p + 1: the one just verified
+                self.draft.write_keys(targets.flatten(), hidden, positions.flatten(), draft_caches, meta)
             return targets, None, None
         cached, tokens, tables = self._split(plan)
         b = plan.shape[0]

@@ -9,6 +9,7 @@ belongs to the one thread that steps the engine.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import time
 from dataclasses import dataclass, field
@@ -18,9 +19,12 @@ from tokenizers import Tokenizer
 
 from mtp_runtime.engine.config import EngineConfig
 from mtp_runtime.engine.model_runner import ModelRunner
-from mtp_runtime.engine.scheduler import Scheduler
+from mtp_runtime.engine.scheduler import ScheduledBatch, Scheduler
 from mtp_runtime.engine.sequence import Sequence
+from mtp_runtime.engine.spec_policy import bucket_sizes, make_policy
 from mtp_runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("mtp_runtime.engine")
 
 
 class RequestOutput:
@@ -55,6 +59,15 @@ class RequestOutput:
     def __repr__(self) -> str:
         return (f"RequestOutput({self.request_id!r}, tokens={len(self.token_ids)}, finished={self.finished}, "
                 f"reason={self.finish_reason!r})")
+
+
+@dataclass
+class StepRecord:
+    """One model step as the metrics see it: its k, its wall time, its sequences."""
+
+    num_speculative_tokens: int
+    seconds: float
+    batch_size: int
 
 
 @dataclass
@@ -96,8 +109,11 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, policy=None):
+        """policy: what picks each step's k (engine/spec_policy.py); default: from the config."""
         self.config = config
+        self.policy = policy or make_policy(config.num_speculative_tokens, config.speculative_adaptive,
+                                            config.seed)
         self.runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = self.runner.max_model_len
@@ -112,6 +128,14 @@ class LLMEngine:
         self._pending_ids: set[str] = set()  # ids posted but not yet drained
         self._num_steps = 0
         self._totals = {"prompt": 0, "generation": 0}
+        self.last_step: StepRecord | None = None
+        self.policy_warm_up_s = 0.0
+        self._policy_seeded = not self.policy.adaptive
+        # With several ranks every model call is broadcast by wrappers put in place after this
+        # constructor (multinode/serve_group.py), which then seeds the policy; a lone rank 0 cannot run
+        # the model here.
+        if not self._policy_seeded and not _in_process_group():
+            self.seed_policy()
 
     # requests (any thread) ------------------------------------------------------
 
@@ -158,16 +182,86 @@ class LLMEngine:
                     self.scheduler.abort(seq)
                     aborted.append(seq)
 
+    def seed_policy(self, reps: int = 3) -> float:
+        """Adaptive depth's warm-up: time dummy decode steps at every k and batch-size bucket (in
+        blocks no sequence owns yet; a slot is written before it is read) so the first real steps
+        choose from measured costs. Returns the seconds it took."""
+        start = time.perf_counter()
+        on_step, self.runner.on_step = self.runner.on_step, None  # dummy steps are no step of the engine's
+        try:
+            self._time_dummy_steps(reps)
+        finally:
+            self.runner.on_step = on_step
+        self._policy_seeded = True
+        self.policy_warm_up_s = time.perf_counter() - start
+        log.info("adaptive depth: step costs at k = 0..%d measured in %.1fs", self.config.num_speculative_tokens,
+                 self.policy_warm_up_s)
+        return self.policy_warm_up_s
+
+    def _time_dummy_steps(self, reps: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        cached = 48
+        width = -(-(cached + 1 + 2 * self.config.num_speculative_tokens) // self.config.block_size)
+        for b in bucket_sizes(self.config.max_seqs_per_batch):
+            for k in self.runner.step_depths():
+                for rep in range(reps + 1):
+                    seqs = []
+                    for i in range(b):
+                        seq = Sequence(f"policy-warm-up-{i}", [1] * (cached + 1), params, cached + 2)
+                        seq.block_table = [(i * width + j) % self.runner.num_blocks for j in range(width)]
+                        seq.num_cached_tokens = cached
+                        seq.draft_token_ids, seq.num_real_drafts = [1] * k, k
+                        seqs.append(seq)
+                    batch = ScheduledBatch(seqs, [1] * b, [k] * b, [True] * b, num_speculative_tokens=k)
+                    t0 = time.perf_counter()
+                    self.runner.execute(batch)
+                    if rep:  # the first run of each shape may pay one-off costs
+                        self.policy.record_step(k, b, time.perf_counter() - t0)
+
+    def _choose_depth(self, batch: ScheduledBatch) -> list[bool]:
+        """Ask the policy for this step's k and cut every verifying sequence's drafts to it; returns
+        which rows decode (they verified drafts before the cut)."""
+        decoding = [nd > 0 for nd in batch.num_draft_tokens]
+        if not self.policy.adaptive:
+            return decoding
+        k = self.policy.choose(max(1, sum(batch.samples)))
+        batch.num_speculative_tokens = k
+        batch.num_real_drafts = []
+        for i, seq in enumerate(batch.seqs):
+            if decoding[i]:
+                seq.draft_token_ids = seq.draft_token_ids[:k]
+                if seq.draft_probs is not None:
+                    seq.draft_probs = seq.draft_probs[:k]
+                seq.num_real_drafts = min(seq.num_real_drafts, k)
+                batch.num_draft_tokens[i] = k
+            batch.num_real_drafts.append(seq.num_real_drafts if decoding[i] else 0)
+        return decoding
+
     def step(self) -> list[RequestOutput]:
         aborted = self._drain_inbox()
         outputs = [RequestOutput(seq, self.tokenizer, []) for seq in aborted]
+        if not self._policy_seeded:
+            self.seed_policy()
         batch = self.scheduler.schedule()
         if not len(batch):
+            self.last_step = None
             return outputs
         self._num_steps += 1
         before = [len(seq) for seq in batch.seqs]
+        decoding = self._choose_depth(batch)
+        start = time.perf_counter()
         new_tokens, accepted = self.runner.execute(batch)
-        self.scheduler.update(batch, new_tokens, accepted, time.perf_counter())
+        now = time.perf_counter()
+        k = batch.num_speculative_tokens
+        self.last_step = StepRecord(k, now - start, len(batch))
+        if self.policy.adaptive:
+            for real, a in zip(batch.num_real_drafts, accepted):
+                if real:
+                    self.policy.record_verify(real, a)
+            if all(decoding) and all(c == 1 for c in batch.num_chunk_tokens):
+                self.policy.record_step(k, len(batch), now - start)
+            self.policy.end_step()
+        self.scheduler.update(batch, new_tokens, accepted, now)
         for seq, n_before, sampled in zip(batch.seqs, before, new_tokens):
             if not sampled:
                 continue
@@ -201,3 +295,9 @@ class LLMEngine:
             accepted_per_position=list(self.scheduler.accepted_per_position),
             num_steps=self._num_steps, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.block_manager.num_hit_tokens)
+
+
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -60,7 +60,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
-        self.k = config.num_speculative_tokens
+        self.k = config.num_speculative_tokens  # the largest k (every step's k unless adaptive)
+        self.adaptive = config.speculative_adaptive
         self.main = load_model(config.model, self.dtype, config.device)
         self.draft = None
         if self.k:
@@ -86,10 +87,22 @@ class ModelRunner:
         self.main_caches = allocate_caches(main_spec, self.num_blocks, self.block_size, self.dtype, self.device)
         self.draft_caches = allocate_caches(draft_spec, self.num_blocks, self.block_size, self.dtype, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        # Graph mode: all-greedy decode steps run verify, acceptance and drafting as one compiled call.
-        self.decode_step = GreedyDecodeStep(self.main, self.draft, self.k, self.block_size) \
-            if config.enable_graph and self.model_config.arch in ONE_CALL_ARCHS else None
+        # Graph mode: all-greedy decode steps run verify, acceptance and drafting as one compiled call,
+        # one graph for each k a step may have (0..K with adaptive depth; its k = 0 step also writes
+        # the draft cache's keys, ModelRunner._propose).
+        self.decode_steps: dict[int, GreedyDecodeStep] = {}
+        if config.enable_graph and self.model_config.arch in ONE_CALL_ARCHS:
+            for k in self.step_depths():
+                self.decode_steps[k] = GreedyDecodeStep(self.main, self.draft, k, self.block_size,
+                                                        draft_keys=self.adaptive and not k)
+        self.decode_step = self.decode_steps.get(self.k)
+        self.graph_warm_up_by_k: dict[int, float] = {}  # seconds compiling each k's one-call step
+        self.on_step = None  # called with each step's k before its model calls (multi-node: into the plans)
         self.graph_warm_up_s = self._warm_up_graphs() if config.enable_graph else 0.0
+
+    def step_depths(self) -> list[int]:
+        """The k a step of this engine may have."""
+        return list(range(self.k + 1)) if self.adaptive else [self.k]
 
     def _warm_up_graphs(self) -> float:
         """Compile the decode-step graphs now, on dummy tokens in block 0 (no sequence owns a block
@@ -120,11 +133,13 @@ class ModelRunner:
             seconds = warm_up(self.main, run_main, self.k)
             if self.draft is not None:
                 seconds += warm_up(self.draft, run_draft, self.k)
-            if self.decode_step is not None:
-                seconds += self.decode_step.warm_up(warm_up_batch_sizes(self.config.max_seqs_per_batch),
-                                                    self.num_blocks, self.main_caches, self.draft_caches,
-                                                    self.device)
-        log.info("graph mode: decode graphs compiled in %.1fs", seconds)
+            for k, step in self.decode_steps.items():
+                self.graph_warm_up_by_k[k] = step.warm_up(warm_up_batch_sizes(self.config.max_seqs_per_batch),
+                                                          self.num_blocks, self.main_caches, self.draft_caches,
+                                                          self.device)
+                seconds += self.graph_warm_up_by_k[k]
+        log.info("graph mode: decode graphs compiled in %.1fs (one-call steps for k = %s: %s)", seconds,
+                 list(self.decode_steps), ", ".join(f"{s:.1f}s" for s in self.graph_warm_up_by_k.values()))
         return seconds
 
     # slots, tensors, generators ---------------------------------------------------
@@ -149,7 +164,9 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
         """Run one step; returns per sequence the tokens to append and the drafts accepted,
         and leaves each sampled sequence's next drafts in seq.draft_token_ids."""
-        if self.decode_step is not None:
+        if self.on_step is not None:
+            self.on_step(batch.num_speculative_tokens)
+        if self.decode_step is not None or self.decode_steps:
             decoding = [i for i in range(len(batch)) if self._is_greedy_decode_row(batch, i)]
             if len(decoding) == len(batch):
                 return self._execute_decode_step(batch)
@@ -185,8 +202,8 @@ class ModelRunner:
 
     def _is_greedy_decode_row(self, batch: ScheduledBatch, i: int) -> bool:
         """Sequence i of the batch decodes (its one uncached token plus k drafts) and samples greedily."""
-        return batch.num_chunk_tokens[i] == 1 and batch.num_draft_tokens[i] == self.k and batch.samples[i] \
-            and batch.seqs[i].params.greedy
+        return batch.num_chunk_tokens[i] == 1 and batch.num_draft_tokens[i] == batch.num_speculative_tokens \
+            and batch.samples[i] and batch.seqs[i].params.greedy
 
     def _execute_split(self, batch: ScheduledBatch, decoding: list[int]) -> tuple[list[list[int]], list[int]]:
         """A step mixing greedy decodes with prompt chunks (or sampled sequences): the decodes take the
@@ -204,18 +221,38 @@ class ModelRunner:
         return new_tokens, accepted
 
     def _execute_decode_step(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
-        seqs = batch.seqs
+        seqs, k = batch.seqs, batch.num_speculative_tokens
         width = max(len(seq.block_table) for seq in seqs)
         plan = self._tensor([GreedyDecodeStep.plan(seq.num_cached_tokens, [seq.token_ids[-1], *seq.draft_token_ids],
                                                    seq.block_table, width) for seq in seqs])
-        targets, accepted, drafts = self.decode_step(plan, self.main_caches, self.draft_caches)
+        step = self.decode_step if k == self.k else self.decode_steps[k]
+        targets, accepted, drafts = step(plan, self.main_caches, self.draft_caches)
         targets = targets.tolist()
-        if not self.k:
+        if not k:
+            if self.adaptive:
+                for seq, t in zip(seqs, targets):
+                    self._set_drafts(seq, [], None, t[0])
             return targets, [0] * len(seqs)
         accepted = accepted.tolist()
         for seq, row in zip(seqs, drafts.tolist()):
-            seq.draft_token_ids = row
+            self._set_drafts(seq, row, None, row[-1])
         return [t[:a + 1] for t, a in zip(targets, accepted)], accepted
+
+    def _set_drafts(self, seq: Sequence, drafts: list[int], probs: torch.Tensor | None, last: int) -> None:
+        """The step's proposals for `seq` (and their distribution [k, V] when it samples). With adaptive
+        depth they are padded to K with the last token (`last`) as filler so the next step may verify up
+        to K; filler is drafted with certainty (its q is one-hot), which keeps speculative sampling
+        exact: it is accepted with the target's probability of that token."""
+        seq.num_real_drafts = len(drafts)
+        fill = self.k - len(drafts) if self.adaptive else 0
+        seq.draft_token_ids = drafts + [last] * fill
+        if probs is None and fill and not seq.params.greedy:
+            probs = torch.zeros(0, self.vocab_size, device=self.device)
+        if probs is not None and fill:
+            one_hot = torch.zeros(fill, self.vocab_size, dtype=probs.dtype, device=probs.device)
+            one_hot[:, last] = 1.0
+            probs = torch.cat([probs, one_hot])
+        seq.draft_probs = probs
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor, qsl: list[int]):
         rows: list[int] = []
@@ -250,7 +287,7 @@ class ModelRunner:
         plain = [i for i in sampled if not batch.num_draft_tokens[i]]
         vocab = self.vocab_size
         if verify:
-            k = self.k
+            k = batch.num_speculative_tokens
             seqs = [batch.seqs[i] for i in verify]
             rows = self._tensor([first_row[i] + j for i in verify for j in range(k + 1)])
             target = probabilities(logits[rows].view(len(verify), k + 1, vocab),
@@ -301,8 +338,14 @@ class ModelRunner:
         if not samplers:  # chunks of prompts still prefilling: their keys only
             self.draft(*args, meta)
             return
+        k = batch.num_speculative_tokens
+        if not k:  # adaptive depth at k = 0: the keys only, and filler for the next step to verify
+            self.draft.write_keys(*args, meta)
+            for seq, i in zip(samplers, [i for i in range(len(batch)) if batch.samples[i]]):
+                self._set_drafts(seq, [], None, new_tokens[i][-1])
+            return
         padded = meta.decode_batch()
-        if self.draft.graph_enabled and padded is not None and padded.n <= self.k + 1:
+        if self.draft.graph_enabled and padded is not None and padded.n <= k + 1:
             # verify rows: the compiled draft forward over every row costs less than selecting in eager
             h = self.draft(*args, meta)[self._tensor(last_rows)]
         else:
@@ -314,7 +357,7 @@ class ModelRunner:
         tok = self._draft_token(samplers, h, probs)
         drafts.append(tok)
         tables = [s.block_table for s in samplers]
-        for j in range(1, self.k):
+        for j in range(1, k):
             pos = [p + j - 1 for p in next_pos]
             meta = AttentionMetadata(list(range(len(samplers) + 1)), [p + 1 for p in pos], tables,
                                      self._tensor([t[p // self.block_size] * self.block_size + p % self.block_size
@@ -322,12 +365,9 @@ class ModelRunner:
             h = self.draft(tok, h, self._tensor(pos), self.draft_caches, meta)
             tok = self._draft_token(samplers, h, probs)
             drafts.append(tok)
-        for seq, row in zip(samplers, torch.stack(drafts, dim=1).tolist()):
-            seq.draft_token_ids = row
-        if probs:
-            stacked = torch.stack(probs, dim=1)  # [B, k, V]; rows of greedy sequences are unused
-            for b, seq in enumerate(samplers):
-                seq.draft_probs = None if seq.params.greedy else stacked[b]
+        stacked = torch.stack(probs, dim=1) if probs else None  # [B, k, V]; rows of greedy sequences unused
+        for b, (seq, row) in enumerate(zip(samplers, torch.stack(drafts, dim=1).tolist())):
+            self._set_drafts(seq, row, None if stacked is None or seq.params.greedy else stacked[b], row[-1])
 
     def _draft_token(self, seqs: list[Sequence], h: torch.Tensor, probs: list[torch.Tensor]) -> torch.Tensor:
         """Next draft token per sequence [B]: the argmax, or a draw from the draft's distribution q

@@ -25,6 +25,10 @@ class ScheduledBatch:
     num_draft_tokens: list[int] = field(default_factory=list)  # drafts verified per sequence (0 or k)
     samples: list[bool] = field(default_factory=list)  # chunk reaches the end: sample this step
     preempted: list[Sequence] = field(default_factory=list)
+    num_speculative_tokens: int = 0  # the step's k: drafts per verifying sequence, and to propose for the next
+    # drafts per sequence the draft model made (the rest of its num_draft_tokens are filler, adaptive
+    # depth after a step at a lower k); None: all of them
+    num_real_drafts: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -36,7 +40,10 @@ class ScheduledBatch:
     def subset(self, rows: list[int]) -> "ScheduledBatch":
         """The batch of sequences `rows` alone (in that order), for a step run in parts."""
         return ScheduledBatch([self.seqs[i] for i in rows], [self.num_chunk_tokens[i] for i in rows],
-                              [self.num_draft_tokens[i] for i in rows], [self.samples[i] for i in rows])
+                              [self.num_draft_tokens[i] for i in rows], [self.samples[i] for i in rows],
+                              num_speculative_tokens=self.num_speculative_tokens,
+                              num_real_drafts=None if self.num_real_drafts is None
+                              else [self.num_real_drafts[i] for i in rows])
 
 
 class Scheduler:
@@ -145,7 +152,7 @@ class Scheduler:
         batch.samples.append(samples)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(num_speculative_tokens=self.k)
         budget = self.max_tokens
         bm = self.block_manager
         self.running.sort(key=lambda s: s.seq_id)
@@ -200,17 +207,19 @@ class Scheduler:
         """
         finished = []
         bm = self.block_manager
-        for seq, chunk, drafts, tokens, accepted in zip(batch.seqs, batch.num_chunk_tokens,
-                                                        batch.num_draft_tokens, new_tokens, num_accepted):
+        reals = batch.num_real_drafts or batch.num_draft_tokens
+        for seq, chunk, real, tokens, accepted in zip(batch.seqs, batch.num_chunk_tokens,
+                                                      reals, new_tokens, num_accepted):
             if seq.is_finished:
                 continue  # aborted while the step ran
             seq.num_cached_tokens += chunk + accepted
-            if drafts:
-                seq.record_verify(drafts, accepted)
-                self.draft_tokens += drafts
-                self.accepted_tokens += accepted
+            if real:  # the counters count the draft model's proposals, not filler
+                counted = min(accepted, real)
+                seq.record_verify(real, counted)
+                self.draft_tokens += real
+                self.accepted_tokens += counted
                 self.verify_steps += 1
-                for pos in range(accepted):
+                for pos in range(counted):
                     self.accepted_per_position[pos] += 1
             if not tokens:
                 bm.register_full_blocks(seq, seq.num_cached_tokens)

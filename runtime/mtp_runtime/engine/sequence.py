@@ -46,6 +46,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.draft_token_ids: list[int] = []
         self.draft_probs: Any = None  # [k, vocab] draft distribution when sampling (temperature > 0)
+        # leading draft_token_ids the draft model proposed; the rest are filler (adaptive depth pads a
+        # step's proposals to the largest k, so the scheduler reserves for it)
+        self.num_real_drafts = 0
         self.generator: Any = None  # per-request torch.Generator, created by the sampler
         self.num_preemptions = 0
         # spec-decode counters
@@ -88,6 +91,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.draft_token_ids = []
         self.draft_probs = None
+        self.num_real_drafts = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

@@ -64,6 +64,13 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope_halves(q, cos, sin), apply_rope_halves(k, cos, sin), v
 
+    def write_keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: dict[str, torch.Tensor], meta: AttentionMetadata) -> None:
+        """Only the cache writes of `forward`: every row's k and v."""
+        _, k, v = self._project(x, cos, sin)
+        write_cache(cache["k"], k, meta.slot_mapping)
+        write_cache(cache["v"], v, meta.slot_mapping)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: dict[str, torch.Tensor], meta: AttentionMetadata,
                 select: RowSelection | None = None) -> torch.Tensor:

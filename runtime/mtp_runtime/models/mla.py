@@ -90,6 +90,15 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_rank)
         return w[:, : self.nope], w[:, self.nope:]
 
+    def write_keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: dict[str, torch.Tensor], meta: AttentionMetadata) -> None:
+        """Only the cache writes of `forward`: x [T, H] -> this step's latents (and V3.2's index keys)."""
+        _, _, latent, q_latent = self._project(x, cos, sin)
+        write_cache(cache["latent"], latent, meta.slot_mapping)
+        if self.indexer is not None:
+            _, index_k, _ = self.indexer.queries_and_keys(x, q_latent, cos, sin)
+            write_cache(cache["index_k"], index_k, meta.slot_mapping)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: dict[str, torch.Tensor], meta: AttentionMetadata,
                 select: RowSelection | None = None) -> torch.Tensor:

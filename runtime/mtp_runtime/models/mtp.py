@@ -72,6 +72,17 @@ class MtpDraft(GraphMode, nn.Module):
         made final needs, while only each sequence's last row feeds the next draft."""
         return self._forward_eager(input_ids, hidden, positions, caches, meta, select)
 
+    def write_keys(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                   caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata) -> None:
+        """Only the cache writes of `forward` (same inputs): a step that drafts nothing (adaptive
+        depth at k = 0) still gives the draft cache the keys of the positions it made final, so a
+        later step's drafts attend to a complete context."""
+        if len(caches) != 1:
+            raise ValueError(f"the MTP draft has one layer and takes one cache, got {len(caches)}")
+        cos, sin = self.rotary(positions)
+        x = self.layer.input_layernorm(self._combine(input_ids, hidden))
+        self.layer.self_attn.write_keys(x, cos, sin, caches[0], meta)
+
     def _forward_eager(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                        caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata,
                        select: RowSelection | None = None) -> torch.Tensor:

@@ -120,3 +120,94 @@ def test_graph_mode_output_is_identical_to_plain_decoding(kit, tiny_models, arch
 def test_graph_mode_is_refused_for_v32(kit, tiny_models):
     with pytest.raises(ValueError, match="enable_graph: not supported for deepseek_v32"):
         kit.make_engine(tiny_models["deepseek_v32"], 1, enable_graph=True)
+
+
+class RandomDepth:
+    """A policy (engine/spec_policy.py's interface) that picks k in 0..max_k at random every step."""
+
+    adaptive = True
+
+    def __init__(self, max_k: int, seed: int):
+        self.max_k, self.rng, self.chosen = max_k, random.Random(seed), []
+
+    def choose(self, batch_size: int) -> int:
+        self.chosen.append(self.rng.randint(0, self.max_k))
+        return self.chosen[-1]
+
+    def record_step(self, k, batch_size, seconds) -> None:
+        pass
+
+    def record_verify(self, real_drafts, accepted) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("scenario", ["mixed-chunked-prefix", "preemption"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_output_is_identical_whatever_k_each_step_takes(kit, tiny_models, arch, scenario):
+    """Adaptive depth: k in 0..3 drawn at random every step (filler verified after a step at a lower k,
+    drafts cut after one at a higher k) gives the k = 0 output."""
+    from mtp_runtime.engine.config import EngineConfig
+    from mtp_runtime.engine.llm_engine import LLMEngine
+
+    spec = SCENARIOS[scenario]
+    expected = reference(kit, tiny_models, arch, scenario)
+    settings = dict(max_model_len=96, block_size=4, max_seqs_per_batch=8, max_tokens_per_batch=64)
+    settings.update(spec["options"])
+    policy = RandomDepth(3, seed=len(scenario))
+    engine = LLMEngine(EngineConfig(model=tiny_models[arch], num_speculative_tokens=3, speculative_adaptive=True,
+                                    **settings), policy=policy)
+    kit.OracleDrafts(engine, expected, hit_rate=0.7, seed=3)
+    assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
+    assert set(policy.chosen) == {0, 1, 2, 3}
+    stats = engine.stats()
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    assert stats.accepted_per_position[2] > 0
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+
+
+class ScriptedDepth(RandomDepth):
+    def __init__(self, ks):
+        super().__init__(max(ks), 0)
+        self.script = list(ks)
+
+    def choose(self, batch_size: int) -> int:
+        self.chosen.append(self.script[len(self.chosen) % len(self.script)])
+        return self.chosen[-1]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_steps_at_k0_keep_the_draft_cache_complete(kit, tiny_models, arch):
+    """A step that drafts nothing still writes the draft cache's keys for the position it makes final:
+    the first draft after such steps is the one a fixed-k engine (which drafts every step) proposes."""
+    from mtp_runtime.engine.config import EngineConfig
+    from mtp_runtime.engine.llm_engine import LLMEngine
+
+    def proposals(engine):
+        seen = {}
+        execute = engine.runner.execute
+
+        def record(batch):
+            new_tokens, accepted = execute(batch)
+            for seq, tokens in zip(batch.seqs, new_tokens):
+                if tokens and seq.num_real_drafts:
+                    seen[(seq.request_id, len(seq) + len(tokens))] = seq.draft_token_ids[0]
+            return new_tokens, accepted
+        engine.runner.execute = record
+        return seen
+
+    settings = dict(max_model_len=96, block_size=4, max_seqs_per_batch=8, max_tokens_per_batch=64)
+    requests = {"a": (SHARED + [5, 9], greedy(20)), "b": ([7, 3, 11], greedy(16))}
+    fixed = kit.make_engine(tiny_models[arch], 1)
+    fixed_seen = proposals(fixed)
+    kit.run_requests(fixed, requests)
+    adaptive = LLMEngine(EngineConfig(model=tiny_models[arch], num_speculative_tokens=1, speculative_adaptive=True,
+                                      **settings), policy=ScriptedDepth([1, 0, 0, 0, 1, 1, 0]))
+    adaptive_seen = proposals(adaptive)
+    kit.run_requests(adaptive, requests)
+    after_k0 = [key for i, key in enumerate(adaptive_seen) if key in fixed_seen]
+    assert len(after_k0) > 8
+    assert {key: adaptive_seen[key] for key in after_k0} == {key: fixed_seen[key] for key in after_k0}

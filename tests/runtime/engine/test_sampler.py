@@ -102,6 +102,23 @@ def test_speculative_sampling_matches_the_target_distribution():
     assert 0 < (num_acc == 0).float().mean() < 1 and (num_acc == 2).any()
 
 
+def test_filler_drafts_with_a_one_hot_draft_distribution_keep_the_target_distribution():
+    """Adaptive depth verifies filler after a step at a lower k (ModelRunner._set_drafts): a fixed
+    token whose q is one-hot. Speculative sampling stays exact for it: every position still follows p."""
+    p = torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.10, 0.05],
+                      [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],
+                      [0.40, 0.05, 0.05, 0.20, 0.20, 0.10]])
+    real = torch.tensor([0.10, 0.40, 0.10, 0.20, 0.10, 0.10])
+    q = torch.stack([real, torch.nn.functional.one_hot(torch.tensor(4), 6).float()])  # draft 2 is filler: token 4
+    num_acc, emitted = run_speculative(p, q, 60000, seed=99)
+    for j in range(3):
+        rows = num_acc >= j
+        assert rows.sum() > 5000
+        stat = chi_square(emitted[rows, j], p[j])
+        assert stat < CHI2_5DF_999, f"position {j}: chi-square {stat:.1f}"
+    assert (num_acc == 2).any() and (num_acc == 1).any()  # the filler is accepted at times and rejected at others
+
+
 def test_the_chi_square_check_catches_a_wrong_sampler():
     p = torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.10, 0.05], [1 / 6] * 6])
     q = torch.tensor([[0.10, 0.40, 0.10, 0.20, 0.10, 0.10]])

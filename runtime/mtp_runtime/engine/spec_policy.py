@@ -1,0 +1,224 @@
+"""How many drafts each step verifies: a fixed k, or one chosen every step (adaptive depth).
+
+Plain Python, no torch: the engine reports what each step cost and what its
+drafts achieved, and asks for the next step's k.
+
+Adaptive (`--speculative_adaptive=true`, K = `--num_speculative_tokens`): a
+step at depth k yields, per sequence, E[k] = 1 + sum_{j=1..k} p_1 p_2 ... p_j
+tokens, where p_j is the chance that draft j is accepted given drafts
+1..j-1 were. The policy estimates every p_j from decayed counts (each step
+multiplies the old counts by `decay`, so recent steps weigh more) and the
+step's cost c(k, b) per batch-size bucket b from the measured step times
+(seeded by the engine's warm-up), and picks the k in 0..K with the most
+tokens per second, E[k] / c(k, b). A k's score must beat the current one's
+by `switch_margin` to replace it (noise in the timings would otherwise flip
+k every step, and each rise pays for drafts the previous step did not make).
+
+Exploration: every `probe_interval` steps (jittered, from `seed`, so runs
+repeat) the policy holds another k for `probe_steps` steps, in turn, so that
+every depth keeps being measured: when the draft turns bad the policy falls
+to k = 0, and the probes bring speculation back once it agrees again. A
+probe lasts two steps because a step at a higher k than the one before
+verifies filler for the drafts the earlier step did not make (engine:
+`Sequence.num_real_drafts`); only real drafts are counted as evidence.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, 9-16, ... share a cost estimate: the bucket's upper end."""
+    if batch_size < 1:
+        raise ValueError(f"batch_bucket: batch size {batch_size} must be >= 1")
+    return 1 << (batch_size - 1).bit_length()
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """The buckets a batch of at most `max_batch` sequences can fall in, as the batch size the
+    warm-up measures for each (the bucket's upper end, or max_batch for the last)."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+class FixedPolicy:
+    """Every step verifies k drafts (the engine without --speculative_adaptive)."""
+
+    adaptive = False
+
+    def __init__(self, k: int):
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"FixedPolicy: k={k!r} must be an integer >= 0")
+        self.k = self.max_k = k
+
+    def choose(self, batch_size: int) -> int:
+        return self.k
+
+    def record_step(self, k: int, batch_size: int, seconds: float) -> None:
+        pass
+
+    def record_verify(self, real_drafts: int, accepted: int) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"speculative_policy": "fixed", "num_speculative_tokens": self.k}
+
+
+@dataclass
+class _Cost:
+    seconds: float
+    samples: int = 1
+
+
+@dataclass
+class AdaptivePolicy:
+    """Picks k in 0..max_k every step (module docstring)."""
+
+    max_k: int
+    decay: float = 0.9  # per step; the counts of the last ~1 / (1 - decay) steps dominate
+    cost_smoothing: float = 0.2  # weight of a new step time in its (k, bucket) estimate
+    probe_interval: int = 64  # steps between probes (jittered +-25%)
+    probe_steps: int = 2
+    switch_margin: float = 0.03
+    prior_acceptance: float = 0.5  # p_j before any evidence, with weight prior_weight (in verifies)
+    prior_weight: float = 0.1
+    seed: int = 0
+    adaptive = True
+    _tries: list[float] = field(init=False)
+    _hits: list[float] = field(init=False)
+    _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)
+    _current: int = field(init=False, default=0)
+    _probe_left: int = field(init=False, default=0)
+    _probe_k: int = field(init=False, default=0)
+    _until_probe: int = field(init=False, default=0)
+    _probe_turn: int = field(init=False, default=0)
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_k, int) or self.max_k < 1:
+            raise ValueError(f"AdaptivePolicy: max_k={self.max_k!r} must be an integer >= 1 "
+                             f"(--num_speculative_tokens is the largest k adaptive depth may choose)")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"AdaptivePolicy: decay={self.decay} must lie in (0, 1]")
+        if not 0 < self.cost_smoothing <= 1:
+            raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing} must lie in (0, 1]")
+        if self.probe_interval < 1 or self.probe_steps < 1:
+            raise ValueError("AdaptivePolicy: probe_interval and probe_steps must be >= 1")
+        self._tries = [0.0] * self.max_k
+        self._hits = [0.0] * self.max_k
+        self._rng = random.Random(self.seed)
+        self._until_probe = self._next_probe_gap()
+        self._current = self.max_k
+
+    # evidence ------------------------------------------------------------------
+
+    def record_verify(self, real_drafts: int, accepted: int) -> None:
+        """One sequence's verify: `real_drafts` drafts from the draft model (filler after them is no
+        evidence), `accepted` of the step's drafts accepted. Draft j (1-based) was tried when the j-1
+        before it were accepted."""
+        real = min(real_drafts, self.max_k)
+        accepted = min(accepted, real)
+        for j in range(min(accepted + 1, real)):
+            self._tries[j] += 1.0
+            if j < accepted:
+                self._hits[j] += 1.0
+
+    def record_step(self, k: int, batch_size: int, seconds: float) -> None:
+        """The wall time of a step of `batch_size` decoding sequences at depth k (decode-only
+        steps: a prompt chunk in the step would charge its prefill to k)."""
+        if not 0 <= k <= self.max_k or batch_size < 1 or seconds <= 0:
+            return
+        key = (k, batch_bucket(batch_size))
+        cost = self._costs.get(key)
+        if cost is None:
+            self._costs[key] = _Cost(seconds)
+        else:
+            cost.seconds += self.cost_smoothing * (seconds - cost.seconds)
+            cost.samples += 1
+
+    def end_step(self) -> None:
+        """Once per engine step, after its evidence: older counts weigh less."""
+        for j in range(self.max_k):
+            self._tries[j] *= self.decay
+            self._hits[j] *= self.decay
+
+    # estimates -----------------------------------------------------------------
+
+    def acceptance(self) -> list[float]:
+        """p_j for j = 1..max_k: chance that draft j is accepted given the drafts before it were."""
+        w, p0 = self.prior_weight, self.prior_acceptance
+        return [(h + w * p0) / (t + w) for h, t in zip(self._hits, self._tries)]
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one sequence gains from a step at depth k (the verified token plus accepted drafts)."""
+        total, run = 1.0, 1.0
+        for p in self.acceptance()[:k]:
+            run *= p
+            total += run
+        return total
+
+    def cost(self, k: int, batch_size: int) -> float | None:
+        """Estimated seconds of a step at depth k for this batch size: its bucket's estimate, else
+        the nearest measured bucket's; None when depth k was never measured."""
+        bucket = batch_bucket(batch_size)
+        known = [(abs(b.bit_length() - bucket.bit_length()), b) for kk, b in self._costs if kk == k]
+        if not known:
+            return None
+        return self._costs[(k, min(known)[1])].seconds
+
+    def scores(self, batch_size: int) -> list[float | None]:
+        """Expected tokens per second at each depth (None: no cost measured yet)."""
+        out: list[float | None] = []
+        for k in range(self.max_k + 1):
+            c = self.cost(k, batch_size)
+            out.append(None if c is None else self.expected_tokens(k) / c)
+        return out
+
+    # the choice -------------------------------------------------------------------
+
+    def choose(self, batch_size: int) -> int:
+        """The k of the next step, whose batch holds about `batch_size` decoding sequences."""
+        if self._probe_left:
+            self._probe_left -= 1
+            return self._probe_k
+        scores = self.scores(max(1, batch_size))
+        unmeasured = [k for k, s in enumerate(scores) if s is None]
+        if unmeasured:  # measure every depth once before trusting the comparison
+            return self._start_probe(unmeasured[0])
+        best = max(range(len(scores)), key=lambda k: scores[k])
+        current = scores[self._current]
+        if best != self._current and scores[best] > current * (1 + self.switch_margin):
+            self._current = best
+        self._until_probe -= 1
+        if self._until_probe <= 0:
+            self._until_probe = self._next_probe_gap()
+            others = [k for k in range(self.max_k + 1) if k != self._current]
+            self._probe_turn += 1
+            return self._start_probe(others[self._probe_turn % len(others)])
+        return self._current
+
+    def _start_probe(self, k: int) -> int:
+        self._probe_k, self._probe_left = k, self.probe_steps - 1
+        return k
+
+    def _next_probe_gap(self) -> int:
+        spread = self.probe_interval // 4
+        return self.probe_interval + self._rng.randint(-spread, spread)
+
+    def describe(self) -> dict:
+        return {"speculative_policy": "adaptive", "num_speculative_tokens": self.max_k}
+
+
+def make_policy(num_speculative_tokens: int, adaptive: bool, seed: int = 0):
+    """The engine's policy for its settings: adaptive depth up to K, or every step at K."""
+    if adaptive:
+        return AdaptivePolicy(num_speculative_tokens, seed=seed)
+    return FixedPolicy(num_speculative_tokens)

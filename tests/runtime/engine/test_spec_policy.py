@@ -1,0 +1,143 @@
+"""Adaptive speculative depth's policy (engine/spec_policy.py), without a model: a simulated
+draft whose acceptance changes over time, and step costs that grow with k."""
+
+import random
+
+import pytest
+
+from mtp_runtime.engine.spec_policy import AdaptivePolicy, FixedPolicy, batch_bucket, bucket_sizes, make_policy
+
+
+def test_batch_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(16) == [1, 2, 4, 8, 16]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    with pytest.raises(ValueError):
+        batch_bucket(0)
+
+
+def test_acceptance_is_conditional_on_the_earlier_drafts_and_ignores_filler():
+    policy = AdaptivePolicy(3, prior_weight=1e-9)
+    policy.record_verify(3, 1)  # draft 1 accepted, draft 2 rejected, draft 3 never judged
+    policy.record_verify(3, 3)
+    policy.record_verify(1, 3)  # one real draft: drafts 2 and 3 were filler, accepted or not
+    p = policy.acceptance()
+    assert p[0] == pytest.approx(1.0)  # 3 of 3
+    assert p[1] == pytest.approx(0.5)  # tried twice, accepted once
+    assert p[2] == pytest.approx(1.0)  # tried once (after draft 2 was accepted), accepted
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(2) == pytest.approx(1 + 1 + 0.5)
+    assert policy.expected_tokens(3) == pytest.approx(1 + 1 + 0.5 + 0.5)
+
+
+def test_recent_steps_weigh_more():
+    policy = AdaptivePolicy(1, decay=0.5, prior_weight=1e-9)
+    for _ in range(10):
+        policy.record_verify(1, 1)
+        policy.end_step()
+    policy.record_verify(1, 0)
+    policy.record_verify(1, 0)
+    # ten accepted steps, the last of them weighing 0.5 and the first 0.5 ** 10, against two fresh rejections
+    assert policy.acceptance()[0] < 0.4
+
+
+def _seeded(policy: AdaptivePolicy, cost) -> AdaptivePolicy:
+    for k in range(policy.max_k + 1):
+        for b in (1, 4, 16):
+            policy.record_step(k, b, cost(k, b))
+    return policy
+
+
+def test_chooses_the_depth_with_most_tokens_per_second():
+    def cost(k, b):  # cheap verify at batch 1, expensive at batch 16
+        return 1.0 + (0.05 if b == 1 else 0.6) * k
+
+    policy = _seeded(AdaptivePolicy(3, prior_weight=1e-9, probe_interval=10**6), cost)
+    for _ in range(50):
+        policy.record_verify(3, 3)
+        policy.record_verify(3, 1)  # p = [1, 0.5, 1]
+    # batch 1: E = 1, 2, 2.5, 3 over 1, 1.05, 1.1, 1.15 -> k = 3; batch 16: over 1, 1.6, 2.2, 2.8 -> k = 1
+    assert policy.choose(1) == 3
+    assert policy.scores(16).index(max(policy.scores(16))) == 1
+    assert [policy.choose(16) for _ in range(5)] == [1] * 5
+
+
+def test_a_near_tie_does_not_flip_the_choice():
+    policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6), lambda k, b: 1.0 + k)
+    for _ in range(20):
+        policy.record_verify(1, 1)  # p = 1: k = 1 gives 2 tokens for 2 s, k = 0 one for 1 s
+    first = policy.choose(1)
+    policy.record_step(1 - first, 1, 0.99 * policy.cost(1 - first, 1))  # the other depth now 1% better
+    assert policy.choose(1) == first
+
+
+class SimulatedDraft:
+    """Each sequence's draft j is accepted with probability rate(step) once drafts 1..j-1 were;
+    a step at a higher k than the one before verifies filler (no chance) past the earlier k."""
+
+    def __init__(self, rate, seed=0):
+        self.rate, self.rng, self.previous_k = rate, random.Random(seed), 0
+
+    def step(self, policy, step, k, batch, cost):
+        real = min(k, self.previous_k)
+        for _ in range(batch):
+            accepted = 0
+            while accepted < real and self.rng.random() < self.rate(step):
+                accepted += 1
+            if real:
+                policy.record_verify(real, accepted)
+        policy.record_step(k, batch, cost(k, batch))
+        policy.end_step()
+        self.previous_k = k
+
+
+def run_policy(policy, rate, steps, batch=4, cost=lambda k, b: 1.0 + 0.15 * k):
+    draft = SimulatedDraft(rate)
+    chosen = []
+    for step in range(steps):
+        k = policy.choose(batch)
+        draft.step(policy, step, k, batch, cost)
+        chosen.append(k)
+    return chosen
+
+
+def test_falls_back_to_no_speculation_when_the_draft_goes_bad_and_comes_back():
+    def rate(step):  # good, then a draft that never matches, then good again
+        return 0.0 if 300 <= step < 700 else 0.85
+
+    chosen = run_policy(_seeded(AdaptivePolicy(3), lambda k, b: 1.0 + 0.15 * k), rate, 1100)
+    good, bad, back = chosen[200:300], chosen[340:700], chosen[800:1100]
+    assert sum(k == 3 for k in good) >= 90  # E[3] = 3.2 tokens for 1.45 s: the deepest k wins
+    assert chosen[300:350].count(0) >= 25, "did not fall back within 25 steps"
+    assert bad.count(0) >= 0.9 * len(bad)  # probes aside, no speculation while the draft is bad
+    assert max(bad) > 0  # ... but it kept probing
+    assert sum(k > 0 for k in chosen[700:780]) >= 40, "speculation did not come back within 40 steps"
+    assert back.count(3) >= 0.9 * len(back)
+
+
+def test_probes_keep_every_depth_measured_and_runs_repeat_from_the_seed():
+    chosen = run_policy(AdaptivePolicy(3, seed=5), lambda step: 0.9, 600)
+    assert set(chosen[100:]) == {0, 1, 2, 3}
+    assert chosen == run_policy(AdaptivePolicy(3, seed=5), lambda step: 0.9, 600)
+    assert chosen != run_policy(AdaptivePolicy(3, seed=6), lambda step: 0.9, 600)
+
+
+def test_unmeasured_depths_are_tried_first():
+    policy = AdaptivePolicy(2, probe_steps=2)
+    assert [policy.choose(1) for _ in range(2)] == [0, 0]  # nothing measured yet: k = 0 first, for two steps
+    policy.record_step(0, 1, 1.0)
+    assert policy.choose(1) == 1
+    assert policy.cost(0, 32) == 1.0  # the nearest measured bucket stands in for an unmeasured one
+
+
+def test_fixed_policy_and_settings():
+    fixed = make_policy(2, adaptive=False)
+    assert isinstance(fixed, FixedPolicy) and [fixed.choose(b) for b in (1, 32)] == [2, 2]
+    assert fixed.describe() == {"speculative_policy": "fixed", "num_speculative_tokens": 2}
+    adaptive = make_policy(3, adaptive=True)
+    assert adaptive.describe() == {"speculative_policy": "adaptive", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        AdaptivePolicy(0)
+    with pytest.raises(ValueError, match="decay"):
+        AdaptivePolicy(2, decay=0)
