@@ -5,7 +5,9 @@ Each subcommand module exposes `HELP` (one line), `add_arguments(parser)` and
 imports (torch, kopf) happen inside `run`, so `mtp --help` stays fast.
 Subcommands that need the operator package (`up`, `operator`) are contributed
 through the `mtp.commands` entry-point group, so this package never imports
-Kubernetes code itself.
+Kubernetes code itself. Every long flag takes both spellings, `--flag_name`
+and `--flag-name`, and a flag a subcommand does not know is reported with
+that subcommand's usage.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import importlib
 import sys
 from importlib import metadata
 from typing import Sequence
+
+from mtp_runtime.flag_spellings import add_alternate_spellings
 
 # name -> module path, in the order `mtp --help` lists them.
 BUILTIN_COMMANDS: dict[str, str] = {
@@ -65,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(sp)
-        sp.set_defaults(_module=module)
+        add_alternate_spellings(sp)
+        sp.set_defaults(_module=module, _parser=sp)
     return parser
 
 
@@ -80,7 +85,9 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # name the subcommand whose flags these are not (argparse would blame `mtp`)
+        (getattr(args, "_parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -137,7 +137,7 @@ def serve_worker(args: Any, log_level: str = "info") -> int:
     """A rank other than 0: /health, its shard, the worker loop."""
     from mtp_runtime.engine.model_runner import TORCH_DTYPES
     from mtp_runtime.models.loader import load_draft, load_model
-    from mtp_runtime.server.launch import resolve_dtype
+    from mtp_runtime.server.args import resolve_dtype
 
     member = GroupMember(args)
     executor: PlanExecutor | None = None

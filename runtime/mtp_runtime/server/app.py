@@ -1,9 +1,15 @@
 """The FastAPI app: OpenAI endpoints, /health and /metrics over an AsyncEngine.
 
 Every failure a client can cause is answered as OpenAI-shaped JSON with its
-status (400 bad input, 401 key, 404 model, 429 full, 503 not ready); nothing
-a request sends can take the server down. A request whose client goes away
-is aborted in the engine, which frees its KV blocks.
+status (400 bad input, 401 key, 404 model, 413 body too large, 429 full, 503
+not ready); nothing a request sends can take the server down, and no
+internal exception text reaches a client (the log has it). A request whose
+client goes away is aborted in the engine, which frees its KV blocks.
+
+The event loop only moves bytes: the body is read under --max_request_bytes
+(refused by its Content-Length, or as soon as it streams past the limit),
+and parsing, tokenising and detokenising run in worker threads, so /health
+and running streams keep flowing while a large prompt is handled.
 """
 
 from __future__ import annotations
@@ -12,12 +18,16 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from .args import DEFAULT_MAX_REQUEST_BYTES
 from .async_engine import AsyncEngine, EngineFailure, EngineNotReadyError, QueueFullError, RequestAborted
 from .chat_template import ChatTemplateError
 from .metrics import CONTENT_TYPE_LATEST
@@ -29,6 +39,7 @@ from .openai_protocol import (
     chat_chunk,
     completion_body,
     completion_chunk,
+    lone_surrogate_error,
     models_body,
     new_id,
     usage_chunk,
@@ -41,27 +52,98 @@ log = logging.getLogger("mtp.serve")
 
 # Non-streamed requests look for a vanished client this often while they wait.
 _DISCONNECT_POLL_S = 0.5
+# What a client is told when the engine broke under its request; the log has the exception.
+_ENGINE_FAILED = "the engine failed while running this request; see the server log"
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: nothing a client sent can make encoding fail."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return _AsciiJSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def text_worker_count() -> int:
+    return min(4, os.cpu_count() or 1)
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request body, refused with 413 once it is known to exceed `limit` bytes.
+
+    A too-large Content-Length is refused before a byte is read; a body that
+    streams past the limit is refused at that chunk. uvicorn then discards
+    the rest as it arrives, so memory never holds more than the limit.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, f"Content-Length: {declared[:40]!r} is not a byte count", code="invalid_request")
+        if int(declared) > limit:
+            raise _too_large(f"{int(declared)} bytes", limit)
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(f"more than {limit} bytes", limit)
+    except ClientDisconnect:
+        raise APIError(499, "client disconnected while sending the body", code="client_closed") from None
+    return body
+
+
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"request body: {size} is over this server's limit of {limit} bytes "
+                         "(mtp serve --max_request_bytes)", code="request_too_large")
+
+
+def parse_body(raw: bytearray, model_cls):
+    """JSON bytes -> a validated request model, or an APIError (400) naming what is wrong."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise APIError(400, f"request body is not valid JSON: {reason}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    surrogate = lone_surrogate_error(raw, body)
+    if surrogate is not None:
+        raise surrogate
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error_to_api_error(exc) from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
 
 
 def create_app(engine: AsyncEngine, builder: RequestBuilder, served_model_name: str, model_path: str,
-               api_key: str | None, health_extra: dict | None = None) -> FastAPI:
+               api_key: str | None, health_extra: dict | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="mtp serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
+    # Parsing, tokenising and detokenising: blocking work kept off the event loop.
+    text_pool = ThreadPoolExecutor(max_workers=text_worker_count(), thread_name_prefix="mtp-text")
+    app.state.text_pool = text_pool
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(text_pool, fn, *args)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
-        err = APIError(exc.status_code, str(exc.detail), type_="invalid_request_error")
-        return JSONResponse(err.body(), status_code=exc.status_code)
+        return error_response(APIError(exc.status_code, str(exc.detail), type_="invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
         log.exception("unexpected error")
-        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
-        return JSONResponse(err.body(), status_code=500)
+        return error_response(APIError(500, "internal server error; see the server log", type_="server_error"))
 
     def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -70,26 +152,18 @@ def create_app(engine: AsyncEngine, builder: RequestBuilder, served_model_name: 
         token = header[7:] if header.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(token.encode(), api_key.encode()):
             raise APIError(401, "invalid or missing API key: send Authorization: Bearer <key>",
-                           type_="authentication_error", code="invalid_api_key")
+                           type_="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
 
-    def check_model(name: str) -> None:
-        if name != served_model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
             raise APIError(404, f"model: {name!r} does not exist; this server serves {served_model_name!r}",
                            type_="invalid_request_error", param="model", code="model_not_found")
 
     async def parse(request: Request, model_cls):
         check_api_key(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        try:
-            parsed = model_cls.model_validate(body)
-        except ValidationError as exc:
-            raise validation_error_to_api_error(exc) from None
+        raw = await read_body(request, max_request_bytes)
+        parsed = await off_loop(parse_body, raw, model_cls)
         check_model(parsed.model)
         return parsed
 
@@ -108,23 +182,24 @@ def create_app(engine: AsyncEngine, builder: RequestBuilder, served_model_name: 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        prompt_ids = builder.completion_prompt_ids(req.prompt)
+        prompt_ids = await off_loop(builder.completion_prompt_ids, req.prompt)
         params = builder.sampling_params(req, len(prompt_ids), req.max_tokens, prompt_param="prompt")
         request_id = new_id("cmpl")
         outputs = submit(request_id, prompt_ids, params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            events = _stream(engine, request_id, outputs, served_model_name, "completion", include_usage)
+            events = _stream(engine, request_id, outputs, served_model_name, "completion", include_usage, off_loop)
             return StreamingResponse(events, media_type=SSE_MEDIA_TYPE)
         out = await _collect(engine, request, request_id, outputs)
-        return completion_body(request_id, served_model_name, out.text, out.finish_reason,
+        text = await off_loop(_decoded_text, out)
+        return completion_body(request_id, served_model_name, text, out.finish_reason,
                                len(out.prompt_token_ids), len(out.token_ids))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse(request, ChatCompletionRequest)
         try:
-            prompt_ids = builder.chat_prompt_ids(req)
+            prompt_ids = await off_loop(builder.chat_prompt_ids, req)
         except ChatTemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages", code="chat_template_error") from None
         params = builder.sampling_params(req, len(prompt_ids), req.requested_max_tokens(), prompt_param="messages")
@@ -132,10 +207,11 @@ def create_app(engine: AsyncEngine, builder: RequestBuilder, served_model_name: 
         outputs = submit(request_id, prompt_ids, params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            events = _stream(engine, request_id, outputs, served_model_name, "chat", include_usage)
+            events = _stream(engine, request_id, outputs, served_model_name, "chat", include_usage, off_loop)
             return StreamingResponse(events, media_type=SSE_MEDIA_TYPE)
         out = await _collect(engine, request, request_id, outputs)
-        return chat_body(request_id, served_model_name, out.text, out.finish_reason,
+        text = await off_loop(_decoded_text, out)
+        return chat_body(request_id, served_model_name, text, out.finish_reason,
                          len(out.prompt_token_ids), len(out.token_ids))
 
     @app.get("/v1/models")
@@ -159,6 +235,10 @@ def create_app(engine: AsyncEngine, builder: RequestBuilder, served_model_name: 
     return app
 
 
+def _decoded_text(out) -> str:
+    return out.text  # RequestOutput decodes its tokens on first access
+
+
 def _text_delta(text: str, sent: int, finished: bool) -> str:
     # A trailing U+FFFD is half of a multi-byte character; wait for the rest unless done.
     end = len(text) if finished else len(text.rstrip("\ufffd"))
@@ -177,7 +257,7 @@ async def _collect(engine: AsyncEngine, request: Request, request_id: str, outpu
                 continue
             if isinstance(item, EngineFailure):
                 finished = True
-                raise APIError(500, item.message, type_="server_error", code="engine_error")
+                raise APIError(500, _ENGINE_FAILED, type_="server_error", code="engine_error")
             if isinstance(item, RequestAborted):
                 finished = True
                 raise APIError(503, item.message, type_="server_error", code="aborted")
@@ -190,7 +270,7 @@ async def _collect(engine: AsyncEngine, request: Request, request_id: str, outpu
 
 
 async def _stream(engine: AsyncEngine, request_id: str, outputs: asyncio.Queue, model: str, kind: str,
-                  include_usage: bool):
+                  include_usage: bool, off_loop):
     finished = False
     sent = 0
     try:
@@ -200,7 +280,7 @@ async def _stream(engine: AsyncEngine, request_id: str, outputs: asyncio.Queue, 
             item = await outputs.get()
             if isinstance(item, EngineFailure):
                 finished = True
-                yield sse_event({"error": APIError(500, item.message, type_="server_error").body()["error"]})
+                yield sse_event({"error": APIError(500, _ENGINE_FAILED, type_="server_error").body()["error"]})
                 yield SSE_DONE
                 return
             if isinstance(item, RequestAborted):  # cut short at shutdown: end the stream properly
@@ -211,7 +291,8 @@ async def _stream(engine: AsyncEngine, request_id: str, outputs: asyncio.Queue, 
                     yield sse_event(completion_chunk(request_id, model, "", "abort"))
                 yield SSE_DONE
                 return
-            delta = _text_delta(item.text, sent, item.finished)
+            text = await off_loop(_decoded_text, item) if item.new_token_ids or item.finished else ""
+            delta = _text_delta(text, sent, item.finished)
             sent += len(delta)
             reason = item.finish_reason if item.finished else None
             if delta or item.finished or item.new_token_ids:

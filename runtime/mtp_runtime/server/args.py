@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from mtp_runtime.flag_spellings import add_alternate_spellings
 from mtp_runtime.multinode.node_rank import POD_INDEX_ENV, NodeRankError, resolve_node_rank
 
 API_KEY_ENV = "MTP_API_KEY"  # used when --api_key is not given
@@ -21,6 +22,9 @@ API_KEY_ENV = "MTP_API_KEY"  # used when --api_key is not given
 SHUTDOWN_TIMEOUT_DEFAULT = 30.0
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Far above any prompt a context holds (a 163840-token context is about 1 MB of token ids), far
+# below what parsing would turn into gigabytes; bodies over it get 413 before they are read.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d+|npu:\d+)$")
 
 
@@ -74,6 +78,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max_model_len", type=int, default=None, help="context limit (default: the model's)")
     add("--shutdown_timeout", type=float, default=SHUTDOWN_TIMEOUT_DEFAULT,
         help="seconds SIGTERM waits for in-flight requests before aborting them")
+    add("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 8 MiB)")
+    add_alternate_spellings(parser)
 
 
 @dataclass
@@ -104,6 +111,14 @@ class ServeArgs:
     shutdown_timeout: float
     env: dict[str, str] = field(default_factory=dict, repr=False)
     enable_graph: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """--dtype auto as a dtype name: CPUs have no fast bf16 matmul everywhere; accelerators do."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if device == "cpu" else "bfloat16"
 
 
 def parse_devices(flag: str, text: str) -> list[str]:
@@ -230,6 +245,7 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
     if ns.max_model_len is not None:
         _check_range("max_model_len", ns.max_model_len, 2)
     _check_range("shutdown_timeout", ns.shutdown_timeout, 0.0)
+    _check_range("max_request_bytes", ns.max_request_bytes, 1024)
     if check_devices:
         _check_accelerator("devices", devices)
     served = ns.served_model_name or os.path.basename(os.path.normpath(ns.model))
@@ -249,4 +265,5 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
         served_model_name=served, dtype=ns.dtype, api_key=api_key,
         max_waiting_requests=ns.max_waiting_requests, max_model_len=ns.max_model_len,
         shutdown_timeout=ns.shutdown_timeout, env=env, enable_graph=ns.enable_graph,
+        max_request_bytes=ns.max_request_bytes,
     )

@@ -19,7 +19,7 @@ import threading
 import uvicorn
 
 from .app import create_app
-from .args import ServeArgs
+from .args import ServeArgs, resolve_dtype
 from .async_engine import AsyncEngine
 from .chat_template import ChatTemplateError, load_chat_template
 from .metrics import ServerMetrics
@@ -65,13 +65,6 @@ def build_request_builder(args: ServeArgs) -> RequestBuilder:
     except ChatTemplateError as exc:
         raise ServerSetupError(str(exc)) from None
     return RequestBuilder(tokenizer, chat_template, max_model_len, vocab_size)
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    # CPUs have no fast bf16 matmul everywhere; accelerators do.
-    if dtype != "auto":
-        return dtype
-    return "float32" if device == "cpu" else "bfloat16"
 
 
 def engine_factory(args: ServeArgs, max_model_len: int):
@@ -135,7 +128,8 @@ def serve(args: ServeArgs, log_level: str = "info") -> int:
     if group:
         group.on_failure(fail_requests_hook(engine.abort_all))
     health_extra = {"model": args.served_model_name, "num_speculative_tokens": args.num_speculative_tokens}
-    app = create_app(engine, builder, args.served_model_name, args.model, args.api_key, health_extra)
+    app = create_app(engine, builder, args.served_model_name, args.model, args.api_key, health_extra,
+                     max_request_bytes=args.max_request_bytes)
 
     def on_exit_signal() -> None:
         if app.state.draining:

@@ -1,13 +1,15 @@
 """OpenAI request models, response bodies and error shapes.
 
-Requests are validated strictly ("5" is not an int) so a wrong-typed field
-gets a 400 naming it instead of a silent coercion. Unknown fields are
+Requests are validated strictly ("5" is not an int, NaN is not a number) so a
+wrong-typed field gets a 400 naming it instead of a silent coercion. A
+request without `model` is served by the server's one model. Unknown fields are
 ignored, as OpenAI's own API does, so stock clients keep working; known
 fields this build cannot honour (n > 1, logprobs) are rejected by name.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Literal
@@ -23,9 +25,9 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-    model: str
+    model: str | None = None  # None: the one model this server serves (as vLLM and SGLang do)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -113,9 +115,10 @@ class APIError(Exception):
     """An error answered as OpenAI-shaped JSON with an HTTP status."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -138,6 +141,10 @@ def validation_error_to_api_error(exc: ValidationError) -> APIError:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":
         message = f"{path}: field required"
+    elif err["type"] == "finite_number":
+        value = err["input"]
+        what = "NaN is not a number" if value != value else f"{value} is not a finite number"
+        message = f"{path}: {what}; send a finite number"
     elif not path:  # our own model validators already start with the field name
         message, path = msg, msg.split(":")[0]
     elif len(err["loc"]) > len(path.split(".")):  # a union: list what it accepts
@@ -147,6 +154,39 @@ def validation_error_to_api_error(exc: ValidationError) -> APIError:
     else:
         message = f"{path}: {msg}"
     return APIError(400, message, param=path, code=err["type"])
+
+
+# JSON can only carry a lone surrogate as a \uD800-\uDFFF escape (raw surrogate bytes are not
+# UTF-8), so a body without such an escape holds none, and only a body with one is walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+
+
+def lone_surrogate_error(raw: bytes | bytearray, body) -> APIError | None:
+    """A 400 naming the first string of the parsed body that holds a lone UTF-16 surrogate.
+
+    Such a string is not Unicode text: the tokenizer, the chat template and
+    the JSON encoder of the answer would all fail on it.
+    """
+    if not _SURROGATE_ESCAPE.search(raw):
+        return None
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found:
+                name = path.encode("ascii", "backslashreplace").decode() or "request body"
+                return APIError(400, f"{name}: holds a lone surrogate (\\u{ord(found.group()):04x} at character "
+                                     f"{found.start()}), which is not Unicode text; send valid UTF-8 text",
+                                param=name, code="invalid_unicode")
+        elif isinstance(value, dict):
+            items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+            items += [(path or "request body", k) for k in value]  # the keys themselves
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend(reversed([(f"{path}.{i}", v) for i, v in enumerate(value)]))
+    return None
 
 
 # ---- responses ----------------------------------------------------------------

@@ -147,3 +147,10 @@ def test_flags_parse_and_validate_without_files_or_devices():
     ns = parse_serve_argv(["--model", "/absent", "--block_size=4096"])
     with pytest.raises(ServeArgsError, match="--block_size: 4096 is out of range"):
         validate_serve_args(ns, env={}, check_devices=False, check_files=False)
+
+
+def test_max_request_bytes(model_dir):
+    m = str(model_dir / "main")
+    assert parse(["--model", m]).max_request_bytes == 8 * 1024 * 1024
+    assert parse(["--model", m, "--max-request-bytes", "65536"]).max_request_bytes == 65536
+    reject(["--model", m, "--max_request_bytes", "100"], "--max_request_bytes")

@@ -1,11 +1,14 @@
 """Request validation: strict types, unsupported fields by name, OpenAI error shape."""
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
 from mtp_runtime.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    lone_surrogate_error,
     validation_error_to_api_error,
 )
 
@@ -30,7 +33,7 @@ def test_completion_defaults_and_prompt_forms():
 
 @pytest.mark.parametrize("body, param", [
     ({"model": "m"}, "prompt"),
-    ({"prompt": "x"}, "model"),
+    ({"model": 5, "prompt": "x"}, "model"),
     ({"model": "m", "prompt": 5}, "prompt"),
     ({"model": "m", "prompt": ""}, "prompt"),
     ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
@@ -63,3 +66,38 @@ def test_chat_messages():
         == "messages.0.role"
     assert error_of(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": 3}]}).param \
         == "messages.0.content"
+
+
+def test_model_may_be_left_out():
+    # vLLM and SGLang serve a request without `model` with their one model; so do we.
+    assert CompletionRequest.model_validate({"prompt": "x"}).model is None
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]}).model is None
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_nan_and_infinity_are_not_numbers(field):
+    nan = error_of(CompletionRequest, {"prompt": "x", field: float("nan")})
+    assert nan.param == field and nan.message == f"{field}: NaN is not a number; send a finite number"
+    inf = error_of(CompletionRequest, {"prompt": "x", field: float("inf")})
+    assert inf.param == field and "inf is not a finite number" in inf.message
+
+
+@pytest.mark.parametrize("raw, param", [
+    (rb'{"prompt": "a\ud800b"}', "prompt"),
+    (rb'{"messages": [{"role": "user", "content": "\udfff"}]}', "messages.0.content"),
+    (rb'{"prompt": "x", "stop": ["ok", "\uDBFF!"]}', "stop.1"),
+    (rb'{"prompt": "x", "\ud800": 1}', "request body"),  # a key
+])
+def test_a_lone_surrogate_is_named_by_its_field(raw, param):
+    err = lone_surrogate_error(raw, json.loads(raw))
+    assert err is not None and err.status == 400 and err.param == param
+    assert err.message.startswith(f"{param}: holds a lone surrogate") and err.code == "invalid_unicode"
+    err.message.encode("ascii")  # the answer itself can always be encoded
+
+
+@pytest.mark.parametrize("raw", [
+    rb'{"prompt": "\ud83d\ude00"}',  # a pair: json.loads joins it into one character
+    rb'{"prompt": "\\ud800"}',  # an escaped backslash, then the letters "ud800"
+])
+def test_surrogate_pairs_and_escaped_backslashes_are_text(raw):
+    assert lone_surrogate_error(raw, json.loads(raw)) is None
