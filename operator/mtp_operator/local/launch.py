@@ -10,11 +10,10 @@ Job and a StatefulSet, with loopback addresses, free ports and local paths.
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
 
 from mtp_operator.local.paths import LocalPaths
-from mtp_operator.local.ports import free_ports
+from mtp_operator.local.ports import free_ports, port_is_free
 from mtp_operator.local.processes import LocalProcess
 from mtp_operator.engines import PER_DEVICE_PROGRAM, is_per_device
 from mtp_operator.plan import DeploymentPlan, PlanError, plan_deployment, processes_per_rank
@@ -27,15 +26,7 @@ ALL_INTERFACES = "0.0.0.0"
 
 
 def port_block_is_free(first: int, count: int, host: str = LOOPBACK) -> bool:
-    for port in range(first, first + count):
-        if not 0 < port < 65536:
-            return False
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                return False
-    return True
+    return all(port_is_free(port, host) for port in range(first, first + count))
 
 
 def free_port_block(count: int, avoid: range = range(0)) -> int:

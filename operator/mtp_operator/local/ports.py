@@ -1,4 +1,9 @@
-"""Free TCP ports on loopback for the ranks' HTTP and rendezvous sockets."""
+"""Free TCP ports on loopback for the ranks' HTTP and rendezvous sockets.
+
+Checks bind with SO_REUSEADDR, as the servers themselves do (uvicorn, torch's
+TCPStore): a port whose last connection is in TIME_WAIT, as after a Ctrl-C,
+is free for them, and a port another process listens on is still busy.
+"""
 
 from __future__ import annotations
 
@@ -22,3 +27,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True if a server could listen on `port` now."""
+    if not 0 < port < 65536:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
