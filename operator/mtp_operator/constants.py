@@ -48,6 +48,8 @@ ENV_POD_IP = "MTP_POD_IP"  # status.podIP via the downward API
 ENV_HCCL_IF_IP = "HCCL_IF_IP"  # NPU: the interface HCCL binds to (the pod IP)
 ENV_HCCL_CONNECT_TIMEOUT = "HCCL_CONNECT_TIMEOUT"  # NPU: seconds to wait for peers
 HCCL_CONNECT_TIMEOUT_SECONDS = "7200"  # large models load slowly; peers wait that long
+ENV_API_KEY = "MTP_API_KEY"  # the builtin runtime's API key, from spec.apiKeySecret (secretKeyRef)
+ENV_VLLM_API_KEY = "VLLM_API_KEY"  # the same Secret, for engine vllm
 
 # Container and port names.
 CONTAINER_SERVER = "server"

@@ -8,7 +8,7 @@
 The converter turns pydantic's JSON schema into a *structural* OpenAPI v3
 schema: `$ref`s inlined, `Optional` unwrapped (absent means unset), titles
 dropped, free-form objects marked `x-kubernetes-preserve-unknown-fields`, and
-each model's `CelRule`s attached as `x-kubernetes-validations`.
+each model's `CelRule`s attached as `x-kubernetes-validations` (with its `fieldPath`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], models: dict[str, ty
         out["items"] = _structural(node.get("items", {"type": "object"}), defs, models)
     model = models.get(node.get("title", ""))
     if model is not None and "properties" in node and model.cel_rules:
-        out["x-kubernetes-validations"] = [{"rule": r.rule, "message": r.message} for r in model.cel_rules]
+        out["x-kubernetes-validations"] = [{"rule": r.rule, "message": r.message,
+                                            **({"fieldPath": r.field} if r.field else {})}
+                                           for r in model.cel_rules]
     return out
 
 

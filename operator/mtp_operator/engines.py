@@ -120,7 +120,8 @@ def is_per_device(argv: list[str]) -> bool:
 def builtin_argv(spec: MtpDeploymentSpec, ctx: LaunchContext) -> list[str]:
     shared = ["mtp", "serve", _flag("model", spec.model.path), _flag("draft_model", ctx.draft_model_path),
               _flag("num_speculative_tokens", spec.speculative.num_speculative_tokens), _flag("host", "0.0.0.0")]
-    tail = _serve_flags(spec) + list(spec.extra_args)
+    drain = [] if spec.runtime.shutdown_timeout is None else [_flag("shutdown_timeout", spec.runtime.shutdown_timeout)]
+    tail = _serve_flags(spec) + drain + list(spec.extra_args)
     if devices_per_process(ctx) > 1:
         return _per_device([*shared, _master_flag(spec, ctx), *tail], ctx)
     if ctx.nnodes > 1:

@@ -138,6 +138,8 @@ def build_client_service(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: M
 def _server_container(plan: DeploymentPlan, spec: MtpDeploymentSpec) -> dict[str, Any]:
     env = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}} for k, path in plan.pod_field_env.items()]
     env += [{"name": k, "value": v} for k, v in plan.pod_env.items()]
+    # Secrets and ConfigMaps are read by the kubelet: their values never pass through the operator.
+    env += [{"name": k, "valueFrom": source} for k, source in plan.pod_ref_env.items()]
     mounts = [{"name": c.MODEL_VOLUME_NAME, "mountPath": spec.model.mount_path, "readOnly": True}]
     if plan.accelerator_kind != "cpu":
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
@@ -166,7 +168,10 @@ def build_statefulset(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: Mapp
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
     pod_spec: dict[str, Any] = {"containers": [_server_container(plan, spec)], "volumes": volumes,
                                 "securityContext": pod_security_context(spec, plan.accelerator_kind),
-                                "subdomain": headless_service_name(plan.name), **_scheduling(spec)}
+                                "subdomain": headless_service_name(plan.name),
+                                # Above the server's drain deadline: SIGKILL must not cut the last streams.
+                                "terminationGracePeriodSeconds": plan.termination_grace_seconds,
+                                **_scheduling(spec)}
     if settings.image_pull_secrets:
         pod_spec["imagePullSecrets"] = _pull_secrets(settings)
     return {

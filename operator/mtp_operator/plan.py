@@ -11,6 +11,9 @@
     plan.pod_argv/pod_env   the rank-independent form for a StatefulSet template
                             (rank from MTP_NODE_RANK, Kubernetes `$(VAR)` syntax)
     plan.pod_field_env      env vars the pod fills from its own fields (downward API)
+    plan.pod_ref_env        env vars from Secrets, ConfigMaps or pod fields the spec names
+                            (name -> Kubernetes valueFrom; spec.env[].valueFrom, spec.apiKeySecret)
+    plan.termination_grace_seconds  the ranks' grace period: the server's drain deadline plus a margin
     plan.master_address     host:port of rank 0's rendezvous
     plan.template_hash      changes exactly when the whole group must restart
 
@@ -32,6 +35,7 @@ from mtp_operator import constants as c
 from mtp_operator.engines import LaunchContext, PlanError, engine_argv, metrics_path, serves_http
 from mtp_operator.settings import OperatorSettings
 from mtp_operator.spec import MtpDeploymentSpec, Resources
+from mtp_runtime.server.args import SHUTDOWN_TIMEOUT_DEFAULT
 
 __all__ = ["PlanError", "ExportStep", "RankLaunch", "DeploymentPlan", "plan_deployment",
            "kubernetes_master_host", "statefulset_name", "headless_service_name", "client_service_name"]
@@ -40,6 +44,9 @@ __all__ = ["PlanError", "ExportStep", "RankLaunch", "DeploymentPlan", "plan_depl
 # substitutes the loopback address / the rank instead.
 POD_IP_FIELD = "status.podIP"
 POD_INDEX_FIELD = f"metadata.labels['{c.LABEL_POD_INDEX}']"
+# Seconds a stopping rank gets beyond its drain deadline (spec.runtime.shutdownTimeout):
+# the server's own backstop (5 s) and leaving the group, before the kubelet's SIGKILL.
+SHUTDOWN_GRACE_MARGIN = 15
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,8 @@ class DeploymentPlan:
     http_port: int
     master_port: int
     master_address: str
+    pod_ref_env: dict[str, dict] = field(default_factory=dict)
+    termination_grace_seconds: int = int(SHUTDOWN_TIMEOUT_DEFAULT) + SHUTDOWN_GRACE_MARGIN
     health_path: str = "/health"
     metrics_path: str = "/metrics"
     template_hash: str = field(default="")
@@ -118,6 +127,22 @@ def processes_per_rank(spec: MtpDeploymentSpec) -> int:
     if spec.engine == "vllm" or accelerator_kind(spec) == "cpu":
         return 1
     return max(spec.accelerator.count, 1)
+
+
+def termination_grace_seconds(spec: MtpDeploymentSpec) -> int:
+    """Above the drain deadline, so SIGKILL never races the clean end of streams."""
+    timeout = spec.runtime.shutdown_timeout
+    return int(SHUTDOWN_TIMEOUT_DEFAULT if timeout is None else timeout) + SHUTDOWN_GRACE_MARGIN
+
+
+def reference_env(spec: MtpDeploymentSpec) -> dict[str, dict]:
+    """Env vars whose values the kubelet reads (Secrets, ConfigMaps, pod fields), as valueFrom objects."""
+    refs = {e.name: e.value_from.model_dump(by_alias=True, exclude_none=True)
+            for e in spec.env if e.value_from is not None}
+    if spec.api_key_secret is not None:
+        name = c.ENV_VLLM_API_KEY if spec.engine == "vllm" else c.ENV_API_KEY
+        refs[name] = {"secretKeyRef": spec.api_key_secret.model_dump(by_alias=True)}
+    return refs
 
 
 def resource_requirements(resources: Resources, accelerator: str | None = None, count: int = 0) -> dict:
@@ -165,7 +190,8 @@ def plan_deployment(name: str, namespace: str, spec: MtpDeploymentSpec, *, maste
     common_env = {c.ENV_NNODES: str(spec.nnodes), c.ENV_MASTER_ADDR: master}
     if kind == "npu":
         common_env[c.ENV_HCCL_CONNECT_TIMEOUT] = c.HCCL_CONNECT_TIMEOUT_SECONDS
-    common_env.update({e.name: e.value for e in spec.env})
+    common_env.update({e.name: e.value for e in spec.env if e.value is not None})
+    ref_env = reference_env(spec)
     field_env = {c.ENV_NODE_RANK: POD_INDEX_FIELD, c.ENV_POD_IP: POD_IP_FIELD}
     if kind == "npu":
         field_env[c.ENV_HCCL_IF_IP] = POD_IP_FIELD
@@ -190,12 +216,15 @@ def plan_deployment(name: str, namespace: str, spec: MtpDeploymentSpec, *, maste
         accelerator_kind=kind, draft_model_path=draft, export=_export_step(name, spec, image), ranks=ranks,
         pod_argv=pod_argv, pod_env=common_env, pod_field_env=field_env, resources=resources,
         http_port=http, master_port=spec.ports.master, master_address=master,
+        pod_ref_env=ref_env, termination_grace_seconds=termination_grace_seconds(spec),
         metrics_path=metrics_path(spec.engine),
     )
     # Everything the pods run with, except status-like details: a change means a whole-group roll.
     pod_shape = {"argv": pod_argv, "env": common_env, "image": image, "resources": resources,
                  "volume": spec.model.volume.model_dump(), "mount": spec.model.mount_path,
                  "scheduling": spec.scheduling.model_dump(), "nnodes": spec.nnodes}
+    if ref_env:  # absent when unset, like securityContext below
+        pod_shape["refEnv"] = ref_env
     if spec.security_context is not None:  # absent when unset: existing groups keep their hash
         pod_shape["securityContext"] = spec.security_context.model_dump(by_alias=True, exclude_none=True)
     return _with_hash(plan, _digest(pod_shape))

@@ -16,6 +16,9 @@ MTP_OPERATOR_<UPPER_SNAKE>). Every setting, its variable and its default:
     MTP_OPERATOR_IMAGE_PULL_SECRETS   ""      comma-separated secret names for runtime/export pods
     MTP_OPERATOR_HEALTH_PORT          8080    the operator's own liveness endpoint (/healthz)
     MTP_OPERATOR_PROBE_PODS           true    GET /health and /metrics from pods (off: readiness only)
+    MTP_OPERATOR_ALLOWED_HOST_PATH_PREFIXES  ""  comma-separated node directories; when set, an
+                                      MtpDeployment's hostPath must lie under one of them (system
+                                      directories such as /etc or /var/lib/kubelet are refused always)
 
 Bad values fail at startup with the variable's name, never silently.
 """
@@ -50,6 +53,7 @@ class OperatorSettings:
     image_pull_secrets: tuple[str, ...] = ()
     health_port: int = 8080
     probe_pods: bool = True
+    allowed_host_path_prefixes: tuple[str, ...] = ()
     _positive: tuple[str, ...] = field(default=("reconcile_interval", "metrics_interval", "health_timeout",
                                                  "metrics_timeout"), repr=False)
 
@@ -61,6 +65,12 @@ class OperatorSettings:
             raise SettingsError(f"{PREFIX}GANG_RESTART_BUDGET and _BACKOFF must be >= 0")
         if not 0 < self.health_port < 65536:
             raise SettingsError(f"{PREFIX}HEALTH_PORT must be a TCP port, got {self.health_port}")
+        for prefix in self.allowed_host_path_prefixes:
+            segments = prefix[1:].split("/")
+            if not prefix.startswith("/") or any(seg in ("", ".", "..") for seg in segments):
+                raise SettingsError(f"{PREFIX}ALLOWED_HOST_PATH_PREFIXES: {prefix!r} is not an absolute directory "
+                                    "without '.', '..', empty segments or a trailing '/' (leave the setting "
+                                    "empty to allow any host path)")
         if self.all_namespaces and self.namespace:
             raise SettingsError(f"set either {PREFIX}NAMESPACE or {PREFIX}ALL_NAMESPACES, not both")
 

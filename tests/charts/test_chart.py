@@ -216,7 +216,8 @@ def test_settings_env_is_what_the_operator_reads(chart):
     defaults = yaml.safe_load((chart.path / "values.yaml").read_text())
     samples = {"runtimeImage": "r:1", "npuRuntimeImage": "n:1", "imagePullSecrets": "a,b",
                "metricsInterval": 7, "gangRestartBudget": 2, "gangRestartBackoff": 3, "reconcileInterval": 4,
-               "healthTimeout": 1.5, "metricsTimeout": 2.5, "probePods": False}
+               "healthTimeout": 1.5, "metricsTimeout": 2.5, "probePods": False,
+               "allowedHostPathPrefixes": "/mnt/models,/data"}
     assert set(defaults["settings"]) == set(samples), "new settings key: add a sample value here"
     # Every setting the operator reads can be set from the chart; the watch
     # scope and the health port come from rbac.* and healthPort.
@@ -234,6 +235,7 @@ def test_settings_env_is_what_the_operator_reads(chart):
         assert settings.metrics_interval == 7.0 and settings.image_pull_secrets == ("a", "b")
         assert settings.npu_runtime_image == "n:1" and settings.health_port == 8080
         assert settings.probe_pods is False and settings.metrics_timeout == 2.5
+        assert settings.allowed_host_path_prefixes == ("/mnt/models", "/data")
         assert settings.all_namespaces is rbac_mode
         assert settings.namespace == (() if rbac_mode else (chart.namespace,))
 

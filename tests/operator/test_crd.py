@@ -93,7 +93,19 @@ def test_every_cel_rule_of_every_model_is_in_the_crd():
     assert "self.http != self.master" in rules["spec.ports"]
     assert "has(self.resourceName) == (self.count > 0)" in rules["spec.accelerator"]
     assert len(rules["spec.securityContext"]) == 1 and len(rules["spec.securityContext.seccompProfile"]) == 1
-    assert len([r for rs in rules.values() for r in rs]) == 12
+    assert "has(self.value) != has(self.valueFrom)" in rules["spec.env[]"]
+    assert len(rules["spec.resources"]) == 2 and len(rules["spec.export.resources"]) == 2
+    assert len([r for rs in rules.values() for r in rs]) == 25
+
+
+def test_cel_field_paths_name_fields_of_the_schema():
+    # The API server refuses a CRD whose rule's fieldPath is not a field below the rule's object.
+    for path, node in _walk(_schema()):
+        for rule in node.get("x-kubernetes-validations", []):
+            target = node
+            for part in rule.get("fieldPath", "").lstrip(".").split(".") if rule.get("fieldPath") else []:
+                target = target["properties"][part]
+            assert "type" in target, (path, rule)
 
 
 # Each CEL rule's intent, checked in Python: a spec that breaks exactly that rule
@@ -113,7 +125,40 @@ CEL_VIOLATIONS = {
     "ports equal": {"ports": {"http": 9000, "master": 9000}},
     "non-root as uid 0": {"securityContext": {"runAsNonRoot": True, "runAsUser": 0}},
     "localhost seccomp without profile": {"securityContext": {"seccompProfile": {"type": "Localhost"}}},
+    "draft equals model": {"export": None, "draftModel": {"path": "/models/ds"}},
+    "export inside model": {"export": {"outputPath": "/models/ds/mtp"}},
+    "export contains model": {"model": {"path": "/models/ds/main"}, "export": {"outputPath": "/models/ds"}},
+    "system hostPath": {"model": {"volume": {"claimName": None, "hostPath": "/var/lib/kubelet"}}},
+    "host dir holding a system dir": {"model": {"volume": {"claimName": None, "hostPath": "/var"}}},
+    "mountPath over /usr": {"model": {"mountPath": "/usr", "path": "/usr/ds"},
+                            "export": {"outputPath": "/usr/ds-mtp"}},
+    "operator env MTP_POD_IP": {"env": [{"name": "MTP_POD_IP", "value": "1.2.3.4"}]},
+    "env twice": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
+    "env value and valueFrom": {"env": [{"name": "A", "value": "1",
+                                         "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]},
+    "env valueFrom of two kinds": {"env": [{"name": "A", "valueFrom": {
+        "fieldRef": {"fieldPath": "spec.nodeName"}, "secretKeyRef": {"name": "s", "key": "k"}}}]},
+    "operator flag in extraArgs": {"extraArgs": ["--node-rank", "3"]},
+    "memory request above limit": {"resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}},
+    "cpu request above limit": {"export": {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}}},
+    "api key with xllm": {"engine": "xllm", "apiKeySecret": {"name": "api", "key": "k"}},
 }
+
+
+# Python-only rules (spec.PYTHON_RULES): the CRD admits these; parse_spec refuses them.
+PYTHON_ONLY_VIOLATIONS = {
+    "blockSize mtp serve refuses": {"runtime": {"blockSize": 4096}},
+    "epSize that does not fit the processes": {"runtime": {"epSize": 3}},
+    "unknown mtp serve flag": {"extraArgs": ["--no_such_flag"]},
+}
+
+
+@pytest.mark.parametrize("changes", PYTHON_ONLY_VIOLATIONS.values(), ids=PYTHON_ONLY_VIOLATIONS.keys())
+def test_python_only_rule_intent(make_cr, changes):
+    cr = make_cr(changes=changes)
+    validate_cr(cr)
+    with pytest.raises(SpecError):
+        parse_spec(cr["spec"])
 
 
 @pytest.mark.parametrize("changes", CEL_VIOLATIONS.values(), ids=CEL_VIOLATIONS.keys())

@@ -36,6 +36,11 @@ VARIANTS = {
                                                  "seccompProfile": {"type": "Unconfined"},
                                                  "seLinuxOptions": {"level": "s0:c123,c456"},
                                                  "sysctls": [{"name": "net.core.somaxconn", "value": "1024"}]}},
+    "secrets-and-drain": {"apiKeySecret": {"name": "mtp-api", "key": "token"}, "runtime": {"shutdownTimeout": 90},
+                          "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}},
+                                  {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                                  {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode",
+                                                                                     "optional": True}}}]},
 }
 
 
@@ -125,3 +130,56 @@ def test_strict_validation_is_not_vacuous(make_cr):
     sts["spec"]["template"]["spec"]["containers"][0]["commandd"] = ["typo"]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(sts, "1.28", strict=True)
+
+
+def _server(objects):
+    pod = objects["statefulset"]["spec"]["template"]["spec"]
+    return pod, pod["containers"][0]
+
+
+def test_api_key_comes_from_the_secret_never_argv(make_cr):
+    secret = "mtp-api-key-secret-name"
+    plan, objects = _all(make_cr, {"apiKeySecret": {"name": secret, "key": "token"}})
+    _, container = _server(objects)
+    env = {e["name"]: e for e in container["env"]}
+    assert env[c.ENV_API_KEY] == {"name": c.ENV_API_KEY,
+                                  "valueFrom": {"secretKeyRef": {"name": secret, "key": "token"}}}
+    argv = container["command"] + container["args"]
+    assert not any("api_key" in a or secret in a for a in argv)
+    assert all(c.ENV_API_KEY not in rank.env for rank in plan.ranks)  # concrete env: the kubelet fills it in
+    # vLLM reads its own variable from the same Secret.
+    _, objects = _all(make_cr, {"engine": "vllm", "apiKeySecret": {"name": secret, "key": "token"}})
+    env = {e["name"]: e for e in _server(objects)[1]["env"]}
+    assert env[c.ENV_VLLM_API_KEY]["valueFrom"] == {"secretKeyRef": {"name": secret, "key": "token"}}
+    assert c.ENV_API_KEY not in env
+
+
+def test_env_value_from_is_passed_through(make_cr):
+    plan, objects = _all(make_cr, VARIANTS["secrets-and-drain"])
+    env = {e["name"]: e for e in _server(objects)[1]["env"]}
+    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}
+    assert env["NODE"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["MODE"]["valueFrom"] == {"configMapKeyRef": {"name": "cfg", "key": "mode", "optional": True}}
+    assert "value" not in env["HF_TOKEN"] and "HF_TOKEN" not in plan.pod_env
+    # A new Secret reference changes what the pods run with: the group rolls.
+    other, _ = _all(make_cr, {**VARIANTS["secrets-and-drain"], "apiKeySecret": {"name": "other", "key": "token"}})
+    assert other.template_hash != plan.template_hash
+
+
+def test_grace_period_outlasts_the_drain_deadline(make_cr):
+    from mtp_runtime.server.args import SHUTDOWN_TIMEOUT_DEFAULT
+
+    pod, container = _server(_all(make_cr, {})[1])
+    # Default: the server drains for its default 30 s; the kubelet's own default (30 s) would race it.
+    assert pod["terminationGracePeriodSeconds"] > SHUTDOWN_TIMEOUT_DEFAULT
+    assert not any(a.startswith("--shutdown_timeout") for a in container["args"])
+    pod, container = _server(_all(make_cr, VARIANTS["secrets-and-drain"])[1])
+    assert "--shutdown_timeout=90" in container["args"]
+    assert pod["terminationGracePeriodSeconds"] == 90 + 15
+    # Per-device pods pass it to every process, through the script's shared arguments.
+    pod, container = _server(_all(make_cr, {**VARIANTS["builtin-npu"], "runtime": {"shutdownTimeout": 5}})[1])
+    assert "--shutdown_timeout=5" in container["args"] and pod["terminationGracePeriodSeconds"] == 20
+    # Other engines get the grace period (their own drain flags are theirs to set).
+    pod, container = _server(_all(make_cr, {"engine": "vllm", "runtime": {"shutdownTimeout": 60}})[1])
+    assert pod["terminationGracePeriodSeconds"] == 75
+    assert not any("shutdown" in a for a in container["args"])

@@ -222,7 +222,7 @@ def test_template_hash_changes_only_with_what_pods_run(make_spec):
     assert _plan(make_spec).template_hash == base
     assert _plan(make_spec, {"service": {"type": "NodePort"}}).template_hash == base
     assert _plan(make_spec, {"speculative": {"minAcceptanceRate": 0.5}}).template_hash == base
-    for changes in ({"image": "other:2"}, {"nnodes": 3}, {"extraArgs": ["--x"]}, {"engine": "xllm"},
+    for changes in ({"image": "other:2"}, {"nnodes": 3}, {"extraArgs": ["--served_model_name=x"]}, {"engine": "xllm"},
                     {"runtime": {"blockSize": 64}}, {"model": {"path": "/models/other"}}):
         assert _plan(make_spec, changes).template_hash != base, changes
 

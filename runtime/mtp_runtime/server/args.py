@@ -172,10 +172,14 @@ class _RaisingParser(argparse.ArgumentParser):
 
 
 def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
-    """`mtp serve`'s flags (no program name) parsed as the server parses them;
-    ServeArgsError for an unknown flag or a value of the wrong type."""
+    """`mtp serve`'s flags (no program name) parsed as the server parses them
+    (both spellings, as the `mtp` command adds them); ServeArgsError for an
+    unknown flag or a value of the wrong type."""
+    from mtp_runtime.flag_spellings import add_alternate_spellings
+
     parser = _RaisingParser(prog="mtp serve", add_help=False)
     add_serve_arguments(parser)
+    add_alternate_spellings(parser)
     return parser.parse_args(argv)
 
 

@@ -144,7 +144,7 @@ def test_flags_parse_and_validate_without_files_or_devices():
     with pytest.raises(ServeArgsError, match="--model: /absent has no config.json"):
         validate_serve_args(ns, env={}, check_devices=False)
     assert validate_serve_args(ns, env={}, check_devices=False, check_files=False).block_size == 16
-    ns = parse_serve_argv(["--model", "/absent", "--block_size=4096"])
+    ns = parse_serve_argv(["--model", "/absent", "--block-size=4096"])  # the spelling `mtp serve` also takes
     with pytest.raises(ServeArgsError, match="--block_size: 4096 is out of range"):
         validate_serve_args(ns, env={}, check_devices=False, check_files=False)
 
