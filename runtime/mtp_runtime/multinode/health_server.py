@@ -13,6 +13,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from mtp_runtime.multinode.node_state import STATES, NodeState
@@ -21,7 +22,7 @@ log = logging.getLogger("mtp_runtime.multinode")
 
 
 class WorkerHealthServer:
-    def __init__(self, host: str, port: int, state: NodeState, model_calls=lambda: 0) -> None:
+    def __init__(self, host: str, port: int, state: NodeState, model_calls=lambda: 0, steps_by_k=dict) -> None:
         self.state = state
         self.registry = CollectorRegistry()
         node_state = Gauge("mtp_node_state", "1 for this rank's current state", ["state"], registry=self.registry)
@@ -30,6 +31,7 @@ class WorkerHealthServer:
         calls = Gauge("mtp_worker_model_calls", "model calls this worker made for rank 0's plans",
                       registry=self.registry)
         calls.set_function(lambda: float(model_calls()))
+        self.registry.register(_StepsByK(steps_by_k))
         self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="mtp-worker-health", daemon=True)
@@ -80,3 +82,18 @@ class WorkerHealthServer:
                 pass
 
         return Handler
+
+
+class _StepsByK:
+    """mtp_worker_steps{k}: the steps this worker followed, by the k rank 0 chose for each (adaptive
+    depth puts it in every step's main-forward plan); rank 0 counts the same steps in
+    mtp_spec_decode_num_speculative_tokens."""
+
+    def __init__(self, steps_by_k) -> None:
+        self._steps_by_k = steps_by_k
+
+    def collect(self):
+        family = GaugeMetricFamily("mtp_worker_steps", "steps followed, by the k rank 0 chose for each", labels=["k"])
+        for k, count in sorted(dict(self._steps_by_k()).items()):
+            family.add_metric([str(k)], float(count))
+        yield family

@@ -54,6 +54,11 @@ class LockstepLeader:
         self.cache_ids: dict[int, tuple | None] = {MAIN: None, DRAFT: None}
         self.plans_sent = 0
         self.hidden_rows_sent = 0  # rows rank 0 had to send because workers could not name them
+        self.step_k = -1  # the k of the step in progress, written into its main forward's plan
+
+    def begin_step(self, k: int) -> None:
+        """The engine's runner starts a step at depth k (ModelRunner.on_step)."""
+        self.step_k = k
 
     def send(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> None:
         broadcast_plan(plan, hidden, group=self.group)
@@ -128,12 +133,22 @@ class BroadcastingModule:
         return self._forward(input_ids, hidden, positions, caches, meta, select.rows.tolist(),
                              lambda: self._module.forward_selected(input_ids, hidden, positions, caches, meta, select))
 
+    def write_keys(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                   caches: list, meta: AttentionMetadata) -> None:
+        """The draft's keys-only pass (a step at k = 0): a plan of its own, so the workers write theirs."""
+        self._sync_caches(caches)
+        fields, sent = self._hidden_fields(hidden)
+        self._leader.send(_forward_plan(self._target, input_ids, positions, meta, keys_only=True, **fields), sent)
+        self._module.write_keys(input_ids, hidden, positions, caches, meta)
+
     def _forward(self, input_ids, hidden, positions, caches, meta, select_rows: list[int] | None,
                  run: Callable[[], torch.Tensor]) -> torch.Tensor:
         self._sync_caches(caches)
         fields, sent = self._hidden_fields(hidden) if hidden is not None else ({}, None)
         if select_rows:
             fields["select_rows"] = select_rows
+        if self._target == MAIN:
+            fields["num_speculative_tokens"] = self._leader.step_k
         self._leader.send(_forward_plan(self._target, input_ids, positions, meta, **fields), sent)
         out = run().as_subclass(TrackedOutput)
         out._mtp_target = self._target

@@ -50,6 +50,8 @@ class PlanExecutor:
         self.caches: dict[int, Caches | None] = {MAIN: None, DRAFT: None}
         self.last_output: dict[int, torch.Tensor | None] = {MAIN: None, DRAFT: None}
         self.calls = 0
+        # main forwards followed, by the k rank 0 chose for their step (its /health shows them)
+        self.steps_by_k: dict[int, int] = {}
 
     def _module(self, plan: StepPlan) -> nn.Module:
         module = self.modules[plan.target]
@@ -75,7 +77,12 @@ class PlanExecutor:
         positions = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
         meta = plan.attention_metadata(self.device)
         if plan.target == MAIN:
+            if plan.num_speculative_tokens >= 0:
+                self.steps_by_k[plan.num_speculative_tokens] = self.steps_by_k.get(plan.num_speculative_tokens, 0) + 1
             out = module(ids, positions, caches, meta)
+        elif plan.keys_only:
+            module.write_keys(ids, self._hidden(plan, sent_hidden), positions, caches, meta)
+            return None
         elif plan.select_rows:
             out = module.forward_selected(ids, self._hidden(plan, sent_hidden), positions, caches, meta,
                                           RowSelection.of(meta, plan.select_rows))

@@ -227,10 +227,14 @@ def wait_for_all_ranks(
         time.sleep(0.1)
 
 
-def mark_group_ready(group: GroupHandle, state: NodeState, timeout_s: float) -> None:
-    """Call once this rank's weights are loaded: waits for every rank, then `ready`."""
+def mark_group_ready(group: GroupHandle, state: NodeState, timeout_s: float,
+                     before_ready: Callable[[], None] | None = None) -> None:
+    """Call once this rank's weights are loaded: waits for every rank, runs `before_ready` (work that
+    needs the whole group, such as rank 0's warm-up steps), then `ready`."""
     deadline = time.monotonic() + timeout_s
     wait_for_all_ranks(group.store, LOADED_KEY, group.rank, group.world_size, deadline, "finish loading", state)
+    if before_ready is not None:
+        before_ready()
     state.ready()
     log.info("rank %d: all %d ranks loaded; group ready", group.rank, group.world_size)
 

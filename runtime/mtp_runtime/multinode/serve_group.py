@@ -95,8 +95,8 @@ class GroupMember:
         if self.heartbeat is not None:
             self.heartbeat.add_failure_hook(hook)
 
-    def ready(self) -> None:
-        mark_group_ready(self.group, self.state, self.startup_timeout_s)
+    def ready(self, before_ready: Callable[[], None] | None = None) -> None:
+        mark_group_ready(self.group, self.state, self.startup_timeout_s, before_ready)
 
     def leader_build(self, build_engine: Callable[[], Any]) -> Callable[[], Any]:
         """Rank 0's engine build: join, load the shard, wrap the model calls, wait for all ranks."""
@@ -108,7 +108,10 @@ class GroupMember:
             runner.main = self.leader.wrap(runner.main, MAIN)
             if runner.draft is not None:
                 runner.draft = self.leader.wrap(runner.draft, DRAFT)
-            self.ready()
+            runner.on_step = self.leader.begin_step  # each step's k goes into its plans
+            # Adaptive depth's warm-up steps: once every rank has loaded (the workers are then in their
+            # loop, following the warm-up's plans), before this rank reports ready.
+            self.ready(engine.seed_policy if engine.policy.adaptive else None)
             return engine
         return build
 
@@ -142,7 +145,8 @@ def serve_worker(args: Any, log_level: str = "info") -> int:
     member = GroupMember(args)
     executor: PlanExecutor | None = None
     health = WorkerHealthServer(args.host, args.port, member.state,
-                                model_calls=lambda: executor.calls if executor else 0).start()
+                                model_calls=lambda: executor.calls if executor else 0,
+                                steps_by_k=lambda: executor.steps_by_k if executor else {}).start()
     try:
         member.join()
         device = args.devices[0]

@@ -43,10 +43,10 @@ HIDDEN_SOURCES = (HIDDEN_FROM_MAIN, HIDDEN_FROM_DRAFT, HIDDEN_SENT)
 # Dtypes a plan can name (hidden tensors sent, caches allocated).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_VERSION = 3
+_VERSION = 4
 PLAN_CAPACITY = 4096  # int64 slots in a plan's first broadcast (32 KiB)
-_HEADER = 12  # version, kind, target, hidden_source, num_blocks, B, T, block_size, table entries,
-#               hidden rows, hidden size, selected rows
+_HEADER = 14  # version, kind, target, hidden_source, num_blocks, B, T, block_size, table entries,
+#               hidden rows, hidden size, selected rows, the step's k, keys only
 
 
 @dataclass
@@ -68,6 +68,10 @@ class StepPlan:
     dtype: torch.dtype = torch.float32  # SENT hidden's working dtype; ALLOCATE_CACHE's cache dtype
     # A draft FORWARD whose output is these rows only (MtpDraft.forward_selected); empty: every row.
     select_rows: list[int] = field(default_factory=list)
+    # The k rank 0 chose for the step this call belongs to (adaptive depth picks it every step; the
+    # shapes of the calls follow from it); -1 for calls outside a step (cache plans, STOP).
+    num_speculative_tokens: int = -1
+    keys_only: bool = False  # a draft FORWARD that only writes its keys (MtpDraft.write_keys: a step at k = 0)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +90,10 @@ class StepPlan:
                              f"ALLOCATE_CACHE plan needs both > 0")
         if self.kind == FORWARD:
             self._validate_batch()
+        if self.keys_only and (self.kind != FORWARD or self.target != DRAFT or self.select_rows):
+            raise ValueError("StepPlan.keys_only: only a draft forward over every row writes keys only")
+        if self.num_speculative_tokens < -1:
+            raise ValueError(f"StepPlan.num_speculative_tokens {self.num_speculative_tokens}: expected -1 or k >= 0")
         if self.select_rows:
             if self.kind != FORWARD or self.target != DRAFT:
                 raise ValueError("StepPlan.select_rows: only a draft forward selects rows")
@@ -136,7 +144,8 @@ class StepPlan:
         table_lens = [len(t) for t in self.block_tables]
         header = [_VERSION, self.kind, self.target, self.hidden_source, self.num_blocks,
                   len(self.context_lens), len(self.input_ids), self.block_size, sum(table_lens),
-                  len(self.hidden_rows), self.hidden_size, len(self.select_rows)]
+                  len(self.hidden_rows), self.hidden_size, len(self.select_rows), self.num_speculative_tokens,
+                  int(self.keys_only)]
         flat: list[int] = header + [self.hidden_count, DTYPES.index(self.dtype)] + self.input_ids + self.positions + self.query_start_loc
         flat += self.context_lens + table_lens + [b for t in self.block_tables for b in t]
         flat += self.slot_mapping + self.hidden_rows + self.select_rows
@@ -148,7 +157,7 @@ class StepPlan:
         if len(values) < _HEADER + 1 or values[0] != _VERSION:
             raise ValueError(f"StepPlan payload: not a version-{_VERSION} plan (ranks running different builds?)")
         _, kind, target, hidden_source, num_blocks, num_seqs, num_tokens, block_size, entries, rows, width, \
-            selected = values[:_HEADER]
+            selected, step_k, keys_only = values[:_HEADER]
         reader = _Reader(values, _HEADER)
         hidden_count, dtype_code = reader.take(2)
         if not 0 <= dtype_code < len(DTYPES):
@@ -162,7 +171,7 @@ class StepPlan:
             start += n
         plan = cls(kind, target, input_ids, positions, query_start_loc, context_lens, block_tables,
                    reader.take(num_tokens), block_size, hidden_source, reader.take(rows), hidden_count,
-                   width, num_blocks, DTYPES[dtype_code], reader.take(selected))
+                   width, num_blocks, DTYPES[dtype_code], reader.take(selected), step_k, bool(keys_only))
         reader.finish()
         return plan
 

@@ -67,6 +67,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         ("enable_prefix_cache", True, "reuse KV blocks of shared prompt prefixes"),
         ("enable_chunked_prefill", True, "split long prompts over several steps"),
         ("enable_graph", False, "run decode steps as compiled graphs (torch.compile; start-up compiles them)"),
+        ("speculative_adaptive", False, "pick every step's k in 0..--num_speculative_tokens from measured "
+                                        "acceptance and step cost"),
     ):
         add(f"--{name}", type=parse_bool, nargs="?", const=True, default=default,
             metavar="true|false", help=f"{what} (default {str(default).lower()})")
@@ -111,6 +113,7 @@ class ServeArgs:
     shutdown_timeout: float
     env: dict[str, str] = field(default_factory=dict, repr=False)
     enable_graph: bool = False
+    speculative_adaptive: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -204,6 +207,9 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
     _check_range("num_speculative_tokens", k, 0, 8)
     if k > 0 and ns.draft_model is None:
         raise ServeArgsError("--num_speculative_tokens: needs --draft_model (the MTP draft to propose tokens)")
+    if ns.speculative_adaptive and k < 1:
+        raise ServeArgsError("--speculative_adaptive=true: needs --num_speculative_tokens >= 1 (the largest k "
+                             "it may choose) and --draft_model")
     devices = parse_devices("devices", ns.devices)
     draft_devices = parse_devices("draft_devices", ns.draft_devices or ns.devices)
     if len(devices) > 1:
@@ -269,5 +275,6 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
         served_model_name=served, dtype=ns.dtype, api_key=api_key,
         max_waiting_requests=ns.max_waiting_requests, max_model_len=ns.max_model_len,
         shutdown_timeout=ns.shutdown_timeout, env=env, enable_graph=ns.enable_graph,
+        speculative_adaptive=ns.speculative_adaptive,
         max_request_bytes=ns.max_request_bytes,
     )

@@ -170,6 +170,9 @@ class AsyncEngine:
                 log.error("engine step failed\n%s", traceback.format_exc())
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
+            step = getattr(self.engine, "last_step", None)  # (engines without step records: no step metrics)
+            if step is not None:
+                self.metrics.observe_step(step)
             # Gauges first: a client that has its answer must find it no longer counted as running.
             self._publish_state()
             for out in outputs:

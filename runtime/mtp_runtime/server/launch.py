@@ -80,7 +80,7 @@ def engine_factory(args: ServeArgs, max_model_len: int):
             max_tokens_per_batch=args.max_tokens_per_batch, max_seqs_per_batch=args.max_seqs_per_batch,
             block_size=args.block_size, enable_prefix_cache=args.enable_prefix_cache,
             enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_model_len,
-            enable_graph=args.enable_graph,
+            enable_graph=args.enable_graph, speculative_adaptive=args.speculative_adaptive,
         ))
     return build
 
@@ -120,14 +120,15 @@ def serve(args: ServeArgs, log_level: str = "info") -> int:
             return serve_worker(args, log_level)
         group = GroupMember(args)
     builder = build_request_builder(args)
-    metrics = ServerMetrics(args.num_speculative_tokens)
+    metrics = ServerMetrics(args.num_speculative_tokens, args.speculative_adaptive)
     build = engine_factory(args, builder.max_model_len)
     engine = AsyncEngine(group.leader_build(build) if group else build, metrics,
                          max_in_flight=args.max_seqs_per_batch + args.max_waiting_requests,
                          node_state=group.state if group else None)
     if group:
         group.on_failure(fail_requests_hook(engine.abort_all))
-    health_extra = {"model": args.served_model_name, "num_speculative_tokens": args.num_speculative_tokens}
+    health_extra = {"model": args.served_model_name, "num_speculative_tokens": args.num_speculative_tokens,
+                    "speculative_policy": "adaptive" if args.speculative_adaptive else "fixed"}
     app = create_app(engine, builder, args.served_model_name, args.model, args.api_key, health_extra,
                      max_request_bytes=args.max_request_bytes)
 

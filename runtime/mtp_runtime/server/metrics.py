@@ -22,6 +22,11 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# Speculative depth: the chosen k per step (le = k, one bucket per k), a step's seconds, a request's
+# acceptance rate.
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                0.15, 0.25, 0.5, 1.0, 2.5)
+ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 @dataclass
@@ -37,7 +42,7 @@ class _RequestProgress:
 
 
 class ServerMetrics:
-    def __init__(self, num_speculative_tokens: int = 0) -> None:
+    def __init__(self, num_speculative_tokens: int = 0, speculative_adaptive: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.draft_tokens = Counter("mtp_spec_decode_draft_tokens", "Tokens proposed by the MTP draft.", registry=r)
@@ -60,6 +65,18 @@ class ServerMetrics:
         self.kv_cache_usage = Gauge("mtp_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=r)
         for pos in range(num_speculative_tokens):  # every position shows up from the first scrape
             self.accepted_per_position.labels(position=str(pos))
+        self.num_speculative_tokens = Histogram(
+            "mtp_spec_decode_num_speculative_tokens",
+            "Drafts verified per step: the k of each step (adaptive depth chooses it every step).",
+            buckets=tuple(float(k) for k in range(max(num_speculative_tokens, 1) + 1)), registry=r)
+        self.step_seconds = Histogram("mtp_spec_decode_step_seconds", "Wall time of an engine step, by its k.",
+                                      ["k"], buckets=STEP_BUCKETS, registry=r)
+        for k in range(num_speculative_tokens + 1) if speculative_adaptive else (num_speculative_tokens,):
+            self.step_seconds.labels(k=str(k))
+        self.request_acceptance = Histogram(
+            "mtp_spec_decode_request_acceptance_rate",
+            "Accepted / drafted tokens of each finished request that verified drafts.",
+            buckets=ACCEPTANCE_BUCKETS, registry=r)
         self._progress: dict[str, _RequestProgress] = {}
 
     def observe_output(self, out) -> None:
@@ -84,7 +101,14 @@ class ServerMetrics:
         if out.finished:
             if n_tokens > 1 and out.tpot_s is not None:
                 self.tpot.observe(out.tpot_s)
+            if out.draft_tokens:
+                self.request_acceptance.observe(out.accepted_tokens / out.draft_tokens)
             del self._progress[out.request_id]
+
+    def observe_step(self, step) -> None:
+        """One engine step (LLMEngine.last_step: its k and seconds)."""
+        self.num_speculative_tokens.observe(step.num_speculative_tokens)
+        self.step_seconds.labels(k=str(step.num_speculative_tokens)).observe(step.seconds)
 
     def forget(self, request_id: str) -> None:
         self._progress.pop(request_id, None)

@@ -211,3 +211,35 @@ def test_steps_at_k0_keep_the_draft_cache_complete(kit, tiny_models, arch):
     after_k0 = [key for i, key in enumerate(adaptive_seen) if key in fixed_seen]
     assert len(after_k0) > 8
     assert {key: adaptive_seen[key] for key in after_k0} == {key: fixed_seen[key] for key in after_k0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_graph_mode_with_adaptive_depth_has_a_one_call_step_for_every_k(kit, tiny_models, caplog):
+    """--enable_graph with adaptive depth: start-up compiles the one-call decode step for each k in 0..K,
+    and with k drawn at random every step the output is plain decoding's, with no graph compiled late."""
+    from mtp_runtime.engine.config import EngineConfig
+    from mtp_runtime.engine.llm_engine import LLMEngine
+
+    arch = "deepseek_v3"
+    spec = SCENARIOS["mixed-chunked-prefix"]
+    expected = reference(kit, tiny_models, arch, "mixed-chunked-prefix")
+    settings = dict(max_model_len=96, block_size=8, max_seqs_per_batch=8, max_tokens_per_batch=64)
+    settings.update(spec["options"])
+    policy = RandomDepth(2, seed=4)
+    engine = LLMEngine(EngineConfig(model=tiny_models[arch], num_speculative_tokens=2, speculative_adaptive=True,
+                                    enable_graph=True, **settings), policy=policy)
+    runner = engine.runner
+    assert sorted(runner.decode_steps) == [0, 1, 2] and sorted(runner.graph_warm_up_by_k) == [0, 1, 2]
+    assert runner.decode_steps[0].draft_keys
+    ran = []
+    for k, step in runner.decode_steps.items():
+        def counted(plan, *args, k=k, step=step):
+            ran.append(k)
+            return step(plan, *args)
+        runner.decode_steps[k] = counted
+    runner.decode_step = runner.decode_steps[2]
+    kit.OracleDrafts(engine, expected, hit_rate=0.7, seed=2)
+    assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
+    assert set(ran) == {0, 1, 2}, "some k never took its one-call step"
+    assert "no decode-step graph from the warm-up fits" not in caplog.text, "the warm-up missed a step shape"

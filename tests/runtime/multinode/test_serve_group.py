@@ -32,7 +32,7 @@ HEARTBEAT_S = 3.0
 ENV = {"MTP_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S), "MTP_STARTUP_TIMEOUT_S": "120"}
 
 
-def start_group(start_rank, free_ports, model, k, ep_size, nnodes=2):
+def start_group(start_rank, free_ports, model, k, ep_size, nnodes=2, extra=()):
     """Workers first (reverse order), rank 0 last; returns (ranks, http ports)."""
     master, *http = free_ports(nnodes + 1)
     ranks = {}
@@ -40,7 +40,7 @@ def start_group(start_rank, free_ports, model, k, ep_size, nnodes=2):
         ranks[rank] = start_rank(
             "serve", "--model", model, "--draft_model", model, "--num_speculative_tokens", k,
             "--devices", "cpu", "--port", http[rank], "--master_node_addr", f"127.0.0.1:{master}",
-            "--nnodes", nnodes, "--node_rank", rank, "--ep_size", ep_size, "--max_seqs_per_batch", 4,
+            "--nnodes", nnodes, "--node_rank", rank, "--ep_size", ep_size, "--max_seqs_per_batch", 4, *extra,
             module="mtp_runtime", env=ENV)
     return [ranks[r] for r in range(nnodes)], http
 
@@ -148,3 +148,29 @@ def test_killed_worker_fails_the_request_and_the_group(start_rank, free_ports, t
     assert time.monotonic() - killed < HEARTBEAT_S + 15
     assert "rank 1 lost" in ranks[0].output
     assert replies and replies[0].status_code >= 500, replies and replies[0].text
+
+
+def test_two_ranks_run_the_k_rank_0_chooses_every_step(start_rank, free_ports, trained_dsv3):
+    """Adaptive depth across ranks: rank 0's policy picks each step's k and its plans carry it; the
+    worker follows the same steps at the same k, and the text is plain greedy decoding's."""
+    prompts = [prompt * 2 for prompt in TEXT_PROMPTS] + ["def main():\n    "]
+    max_tokens = 96  # 384 tokens, at most 4 a step: past the policy's first probe of another k
+    expected = [out.text for out in single_process_outputs(trained_dsv3, prompts, 0, max_tokens)]
+    ranks, ports = start_group(start_rank, free_ports, trained_dsv3, 3, 1, extra=("--speculative_adaptive=true",))
+    bodies = wait_healthy(ranks, ports)
+    assert bodies[0]["speculative_policy"] == "adaptive" and bodies[0]["num_speculative_tokens"] == 3
+    for prompt, text in zip(prompts, expected):
+        reply = complete(ports[0], prompt, max_tokens, model=trained_dsv3.name)
+        assert reply.status_code == 200, f"{reply.text}\n{ranks[0].output[-4000:]}"
+        assert reply.json()["choices"][0]["text"] == text
+    leader = httpx.get(f"http://127.0.0.1:{ports[0]}/metrics").text
+    cumulative = {int(float(le)): float(n) for le, n in re.findall(
+        r'^mtp_spec_decode_num_speculative_tokens_bucket\{le="([0-9.]+)"\} (\S+)$', leader, re.M)}
+    steps_by_k = {k: cumulative[k] - cumulative.get(k - 1, 0.0) for k in range(4)}
+    worker = httpx.get(f"http://127.0.0.1:{ports[1]}/metrics").text
+    followed = {int(k): float(n) for k, n in re.findall(r'^mtp_worker_steps\{k="(\d+)"\} (\S+)$', worker, re.M)}
+    assert {k: n for k, n in steps_by_k.items() if n} == followed
+    assert sum(followed.values()) >= 96 and len(followed) >= 2, followed
+    assert parse_spec_counters(leader).accepted > 0
+    assert "mtp_spec_decode_request_acceptance_rate_count 4.0" in leader
+    stop_group(ranks)

@@ -154,3 +154,11 @@ def test_max_request_bytes(model_dir):
     assert parse(["--model", m]).max_request_bytes == 8 * 1024 * 1024
     assert parse(["--model", m, "--max-request-bytes", "65536"]).max_request_bytes == 65536
     reject(["--model", m, "--max_request_bytes", "100"], "--max_request_bytes")
+
+
+def test_speculative_adaptive_flag(model_dir):
+    m, d = str(model_dir / "main"), str(model_dir / "draft")
+    assert parse(["--model", m]).speculative_adaptive is False
+    args = parse(["--model", m, "--draft_model", d, "--num_speculative_tokens", "3", "--speculative_adaptive=true"])
+    assert args.speculative_adaptive is True and args.num_speculative_tokens == 3
+    reject(["--model", m, "--speculative_adaptive=true"], "--speculative_adaptive")  # no draft: k = 0

@@ -35,3 +35,29 @@ def test_deltas_of_our_own_exposition():
     assert "mtp_time_to_first_token_seconds_count 1.0" in text
     assert "mtp_time_per_output_token_seconds_count 1.0" in text
     assert "_created" not in text  # only the documented names
+
+
+def test_speculative_depth_histograms():
+    from mtp_runtime.engine.llm_engine import StepRecord
+
+    metrics = ServerMetrics(num_speculative_tokens=3, speculative_adaptive=True)
+    text = metrics.render().decode()
+    for k in range(4):  # every k's step-time series shows up from the first scrape
+        assert f'mtp_spec_decode_step_seconds_count{{k="{k}"}} 0.0' in text
+    for k, seconds in ((3, 0.004), (0, 0.002), (3, 0.005), (1, 0.003)):
+        metrics.observe_step(StepRecord(k, seconds, batch_size=2))
+    seq = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=64), max_model_len=128)
+    for accepted in (2, 1):
+        metrics.observe_output(verify_step(seq, accepted))
+    seq.status = SequenceStatus.FINISHED
+    metrics.observe_output(RequestOutput(seq, tokenizer=None, new_token_ids=[], text=""))
+    text = metrics.render().decode()
+    assert "mtp_spec_decode_num_speculative_tokens_count 4.0" in text
+    assert "mtp_spec_decode_num_speculative_tokens_sum 7.0" in text  # mean chosen k = 7 / 4
+    assert 'mtp_spec_decode_num_speculative_tokens_bucket{le="0.0"} 1.0' in text
+    assert 'mtp_spec_decode_num_speculative_tokens_bucket{le="2.0"} 2.0' in text
+    assert 'mtp_spec_decode_step_seconds_count{k="3"} 2.0' in text
+    assert 'mtp_spec_decode_step_seconds_sum{k="0"} 0.002' in text
+    assert "mtp_spec_decode_request_acceptance_rate_count 1.0" in text
+    assert "mtp_spec_decode_request_acceptance_rate_sum 0.75" in text  # 3 of 4 drafts
+    assert 'mtp_spec_decode_request_acceptance_rate_bucket{le="0.7"} 0.0' in text
