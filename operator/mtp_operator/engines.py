@@ -120,6 +120,8 @@ def is_per_device(argv: list[str]) -> bool:
 def builtin_argv(spec: MtpDeploymentSpec, ctx: LaunchContext) -> list[str]:
     shared = ["mtp", "serve", _flag("model", spec.model.path), _flag("draft_model", ctx.draft_model_path),
               _flag("num_speculative_tokens", spec.speculative.num_speculative_tokens), _flag("host", "0.0.0.0")]
+    if spec.speculative.adaptive:
+        shared.append(_flag("speculative_adaptive", "true"))
     drain = [] if spec.runtime.shutdown_timeout is None else [_flag("shutdown_timeout", spec.runtime.shutdown_timeout)]
     tail = _serve_flags(spec) + drain + list(spec.extra_args)
     if devices_per_process(ctx) > 1:
@@ -204,7 +206,20 @@ def vllm_argv(spec: MtpDeploymentSpec, ctx: LaunchContext, devices_per_node: int
     return argv
 
 
+# Why spec.speculative.adaptive is refused for an engine: neither has a per-step k chosen from acceptance
+# and step cost. vLLM's dynamic speculation only switches drafting off above a batch size (and not when
+# data-parallel ranks could disagree); xLLM's launch flags fix k.
+NO_ADAPTIVE_DEPTH = {
+    "vllm": "vllm has no adaptive speculative depth to map it to (its speculative config fixes "
+            "num_speculative_tokens; its dynamic speculation only turns drafting off by batch size)",
+    "xllm": "xllm has no adaptive speculative depth to map it to (its launch flags fix num_speculative_tokens)",
+}
+
+
 def engine_argv(spec: MtpDeploymentSpec, ctx: LaunchContext, devices_per_node: int) -> list[str]:
+    if spec.speculative.adaptive and spec.engine in NO_ADAPTIVE_DEPTH:
+        raise PlanError(f"spec.speculative.adaptive=true: {NO_ADAPTIVE_DEPTH[spec.engine]}; set it to false or "
+                        f"use engine builtin")
     if spec.engine == "builtin":
         return builtin_argv(spec, ctx)
     if spec.engine == "xllm":

@@ -41,6 +41,9 @@ class SpecDecodeCounters:
     requests_running: float | None = None  # gauges: the latest value, not a delta
     requests_waiting: float | None = None
     kv_cache_usage_ratio: float | None = None
+    # the builtin engine's histogram of each step's k (mtp_spec_decode_num_speculative_tokens)
+    speculative_tokens_sum: float | None = None
+    speculative_tokens_count: float | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class SpecDecodeStats:
     requests_running: float | None
     requests_waiting: float | None
     kv_cache_usage_ratio: float | None
+    mean_speculative_tokens: float | None = None  # mean k the engine chose per step (adaptive depth)
 
 
 def parse_prometheus(text: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
@@ -110,6 +114,7 @@ def builtin_counters(text: str, observed_at: float) -> SpecDecodeCounters:
         t.get("mtp_time_to_first_token_seconds_sum"), t.get("mtp_time_to_first_token_seconds_count"),
         t.get("mtp_time_per_output_token_seconds_sum"), t.get("mtp_time_per_output_token_seconds_count"),
         t.get("mtp_requests_running"), t.get("mtp_requests_waiting"), t.get("mtp_kv_cache_usage_ratio"),
+        t.get("mtp_spec_decode_num_speculative_tokens_sum"), t.get("mtp_spec_decode_num_speculative_tokens_count"),
     )
 
 
@@ -185,4 +190,6 @@ def interval_stats(previous: SpecDecodeCounters | None, current: SpecDecodeCount
         requests_running=current.requests_running,
         requests_waiting=current.requests_waiting,
         kv_cache_usage_ratio=current.kv_cache_usage_ratio,
+        mean_speculative_tokens=_ratio(_delta(p.speculative_tokens_sum, current.speculative_tokens_sum),
+                                       _delta(p.speculative_tokens_count, current.speculative_tokens_count)),
     )

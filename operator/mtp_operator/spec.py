@@ -295,6 +295,10 @@ class Accelerator(ApiModel):
 
 class Speculative(ApiModel):
     num_speculative_tokens: int = Field(1, ge=1, le=8, description="Draft tokens verified per step (k).")
+    adaptive: bool | None = Field(
+        None, description="Adaptive depth: numSpeculativeTokens is the largest k and the engine picks every step's "
+        "k in 0..K from measured acceptance and step cost (builtin engine: --speculative_adaptive=true; vllm and "
+        "xllm have no equivalent and are refused).")
     min_acceptance_rate: float | None = Field(
         None, ge=0, le=1, description="Below this, condition Degraded=True reason LowAcceptance."
     )

@@ -81,6 +81,7 @@ def _figures(stats: SpecDecodeStats, stats_time: str | None) -> dict[str, Any]:
                               "perPositionAcceptance": stats.per_position_acceptance,
                               "draftTokens": int(stats.draft_tokens), "observedTime": stats_time}),
         "throughput": clean({"generationTokensPerSecond": stats.generation_tokens_per_second,
+                              "meanSpeculativeTokens": stats.mean_speculative_tokens,
                              "promptTokensPerSecond": stats.prompt_tokens_per_second,
                              "requestsRunning": stats.requests_running, "requestsWaiting": stats.requests_waiting,
                              "kvCacheUsageRatio": stats.kv_cache_usage_ratio}),

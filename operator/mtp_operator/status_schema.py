@@ -29,6 +29,9 @@ class SpeculativeStatus(ApiModel):
     draft_tokens: int | None = Field(None, description="Drafted tokens in the last interval.")
     observed_time: str | None = None
 
+    mean_speculative_tokens: float | None = Field(
+        None, description="Mean k the engine chose per step over the last interval (builtin engine; with "
+        "spec.speculative.adaptive it moves with acceptance and load).")
 
 class ThroughputStatus(ApiModel):
     generation_tokens_per_second: float | None = None

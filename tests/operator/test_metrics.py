@@ -93,3 +93,19 @@ def test_bad_input_is_named():
     bad_pos = 'mtp_spec_decode_accepted_tokens_per_position_total{position="first"} 1\n'
     with pytest.raises(MetricsFormatError, match="position label 'first'"):
         read_counters("builtin", bad_pos, 0.0)
+
+
+def test_builtin_mean_chosen_k_over_the_interval():
+    def page(k_sum, steps):
+        return builtin_page(100, 80, 50, [45, 35]) + "\n".join([
+            "# TYPE mtp_spec_decode_num_speculative_tokens histogram",
+            f'mtp_spec_decode_num_speculative_tokens_bucket{{le="+Inf"}} {steps}',
+            f"mtp_spec_decode_num_speculative_tokens_sum {k_sum}",
+            f"mtp_spec_decode_num_speculative_tokens_count {steps}"]) + "\n"
+
+    first = read_counters("builtin", page(300, 100), 10.0)
+    second = read_counters("builtin", page(340, 200), 20.0)  # 100 steps at k = 0.4 on average
+    assert interval_stats(first, second, 3).mean_speculative_tokens == pytest.approx(0.4)
+    assert interval_stats(None, first, 3).mean_speculative_tokens == pytest.approx(3.0)
+    assert interval_stats(None, read_counters("builtin", builtin_page(1, 1, 1, [1]), 1.0), 1) \
+        .mean_speculative_tokens is None  # an engine without the histogram

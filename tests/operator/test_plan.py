@@ -248,3 +248,14 @@ def test_xllm_pod_script_passes_sigterm_to_every_process(make_spec, tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_adaptive_speculation_is_a_builtin_flag_and_refused_for_other_engines(make_spec):
+    adaptive = {"speculative": {"numSpeculativeTokens": 3, "adaptive": True}}
+    argv = _plan(make_spec, adaptive).ranks[1].argv
+    assert "--num_speculative_tokens=3" in argv and "--speculative_adaptive=true" in argv
+    assert not any("speculative_adaptive" in a for a in _plan(make_spec).ranks[1].argv)
+    for engine, accelerator in (("vllm", GPU), ("xllm", NPU)):
+        with pytest.raises(PlanError, match=f"spec.speculative.adaptive=true: {engine} has no adaptive"):
+            _plan(make_spec, {"engine": engine, **accelerator, **adaptive})
+        _plan(make_spec, {"engine": engine, **accelerator, "speculative": {"adaptive": False}})

@@ -106,3 +106,21 @@ def test_every_status_fits_the_crd_status_schema():
     for status in statuses:
         MtpDeploymentStatus.model_validate(status)
         jsonschema.Draft4Validator(schema).validate(status)
+
+
+def test_mean_chosen_k_is_in_the_status_and_its_schema():
+    from dataclasses import replace
+
+    import jsonschema
+
+    from mtp_operator.crd import build_crd
+    from mtp_operator.status_schema import MtpDeploymentStatus
+
+    status = compute_status(None, obs(stats=replace(stats(0.7), mean_speculative_tokens=1.25)),
+                            min_acceptance_rate=None, now="T1")
+    assert status["speculative"]["meanSpeculativeTokens"] == 1.25
+    MtpDeploymentStatus.model_validate(status)
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    jsonschema.Draft4Validator(schema).validate(status)
+    assert "meanSpeculativeTokens" not in compute_status(None, obs(stats=stats(0.7)), min_acceptance_rate=None,
+                                                         now="T1")["speculative"]
