@@ -43,7 +43,9 @@ def _draft(obs: Observations) -> tuple[bool, str, str, bool]:
         return True, "DraftProvided", f"using draft model {obs.draft_model_path}", False
     state = obs.export.state
     if state == "succeeded":
-        return True, "ExportSucceeded", f"export job {obs.export.name} wrote {obs.draft_model_path}", False
+        # `mtp export` says "up to date" when it found the draft already written.
+        did = "found {} up to date" if "up to date" in obs.export.message else "wrote {}"
+        return True, "ExportSucceeded", f"export job {obs.export.name} {did.format(obs.draft_model_path)}", False
     if state == "failed":
         detail = obs.export.message.strip() or "no termination message; see the job's pod logs"
         return False, "ExportFailed", f"export job {obs.export.name} failed: {detail}", True

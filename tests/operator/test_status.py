@@ -108,6 +108,17 @@ def test_every_status_fits_the_crd_status_schema():
         jsonschema.Draft4Validator(schema).validate(status)
 
 
+def test_draft_ready_says_whether_the_export_wrote_the_draft_or_found_it_up_to_date():
+    skipped = compute_status(None, obs(message="/models/d: up to date (deepseek_v3_mtp), nothing to do"),
+                             min_acceptance_rate=None, now="T1")
+    assert cond(skipped, "DraftReady")["message"] == "export job job-1 found /models/d up to date"
+    wrote = compute_status(None, obs(message="/models/d: exported deepseek_v3_mtp, 44 tensors"),
+                           min_acceptance_rate=None, now="T1")
+    assert cond(wrote, "DraftReady")["message"] == "export job job-1 wrote /models/d"
+    assert cond(compute_status(None, obs(), min_acceptance_rate=None, now="T1"), "DraftReady")["message"] == \
+        "export job job-1 wrote /models/d"  # a Job reports no summary: the message is what it always was
+
+
 def test_mean_chosen_k_is_in_the_status_and_its_schema():
     from dataclasses import replace
 

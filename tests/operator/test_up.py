@@ -87,7 +87,9 @@ def test_sample_make_tiny_annotation_is_valid_for_make_tiny():
 @pytest.mark.slow
 def test_up_once_serves_completions_and_reports_acceptance(models_dir, tmp_path):
     status_file = tmp_path / "status.json"
-    done = mtp_up(str(SAMPLE), "--models-dir", str(models_dir), "--once", "--requests", "2", "--max-tokens", "6",
+    # The sample with the annotation models_dir's model was made with (another one would remake it).
+    cr = write_cr(tmp_path / "tiny.yaml", {}, annotations=UNTRAINED)
+    done = mtp_up(str(cr), "--models-dir", str(models_dir), "--once", "--requests", "2", "--max-tokens", "6",
                   "--timeout", "240", "--log-dir", str(tmp_path / "logs"), "--status-file", str(status_file))
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
@@ -143,7 +145,7 @@ def test_two_ranks_on_loopback_restart_together_and_stop_on_sigterm(models_dir, 
     # nnodes 2: rank 1 finds rank 0 through the master address on loopback.
     # Killing rank 1 restarts the whole group (rank 0 too), as the operator's
     # gang restart does; SIGTERM then stops every rank and exits 0.
-    cr = write_cr(tmp_path / "two.yaml", {"nnodes": 2})
+    cr = write_cr(tmp_path / "two.yaml", {"nnodes": 2}, annotations=UNTRAINED)
     status_file = tmp_path / "status.json"
     manifest = models_dir / "tiny-deepseek-v3-mtp" / "mtp-export.json"
     exported_before = manifest.stat().st_mtime_ns if manifest.exists() else None
@@ -177,8 +179,9 @@ def test_two_ranks_on_loopback_restart_together_and_stop_on_sigterm(models_dir, 
     assert "stopped rank-0" in out and "rank-1" in out
     assert not any(pid_alive(pid) for pid in second.values())
     if exported_before is not None:
-        # The draft was already exported and up to date: not rewritten.
+        # The draft was already exported and up to date: not rewritten, and DraftReady says so.
         assert "up to date" in out
+        assert conditions(final_status(out))["DraftReady"]["message"].endswith("up to date")
         assert manifest.stat().st_mtime_ns == exported_before
 
 
@@ -321,3 +324,19 @@ def test_dry_run_prints_the_processes(tmp_path):
     assert f"--input-dir {models}/tiny-deepseek-v3 " in lines[1]
     assert "MTP_MASTER_ADDR=127.0.0.1:18399" in lines[5] and "--node_rank=1" in lines[5]
     assert not models.exists()  # nothing ran, nothing was made
+
+
+def test_a_remade_model_gets_its_draft_exported_again(tmp_path):
+    # make-tiny keeps config.json and the index for other seeds or training, and the export's
+    # fingerprint is theirs: without --force the old model's draft would pass as up to date.
+    from mtp_operator.commands import up
+    from mtp_runtime.cli import build_parser
+
+    models = tmp_path / "models"
+    annotation = {MAKE_TINY_ANNOTATION: "--arch deepseek_v3 --num-hidden-layers 1 --shards 1 --seed 4"}
+    args = build_parser().parse_args(["up", str(write_cr(tmp_path / "cr.yaml", {}, annotation)),
+                                      "--models-dir", str(models)])
+    made = up.prepare(args)
+    assert made.export is not None and made.export.argv[-1] == "--force"
+    again = up.prepare(args)  # present and made with these arguments: the export may skip
+    assert "--force" not in again.export.argv

@@ -8,6 +8,7 @@ loopback) and the status the operator would write is printed as it changes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import signal
 import sys
@@ -119,9 +120,10 @@ def prepare(args: argparse.Namespace):
     spec = parse_spec(resource.get("spec"))
     settings = OperatorSettings.from_env()
     paths = LocalPaths.for_spec(spec, args.models_dir)
+    made = False
     if not args.dry_run:
-        ensure_model(paths.to_local(spec.model.path), metadata.get("annotations") or {},
-                     log=lambda line: print(f"mtp up: {line}", flush=True))
+        made = ensure_model(paths.to_local(spec.model.path), metadata.get("annotations") or {},
+                            log=lambda line: print(f"mtp up: {line}", flush=True))
     if args.make_model_only:
         return None
     http_port, master_port = choose_ports(spec, args.port, args.master_port)
@@ -135,7 +137,11 @@ def prepare(args: argparse.Namespace):
         restart_backoff=settings.gang_restart_backoff if args.restart_backoff is None else args.restart_backoff,
         grace_seconds=args.grace_period, generation=int(metadata.get("generation") or 1),
     )
-    return LocalDeployment(metadata["name"], spec, plan, export_process(plan, paths), rank_processes(plan, paths),
+    export = export_process(plan, paths)
+    if made and export is not None:
+        # A new model with the old one's config.json and index: the old draft would look up to date.
+        export = dataclasses.replace(export, argv=[*export.argv, "--force"])
+    return LocalDeployment(metadata["name"], spec, plan, export, rank_processes(plan, paths),
                            options, out=lambda line: print(line, flush=True))
 
 

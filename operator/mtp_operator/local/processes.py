@@ -3,6 +3,10 @@
 A multi-node group cannot lose one rank, so when any rank exits the whole
 group is stopped and started again (within a restart budget, with a doubling
 backoff) — the local twin of the operator's gang restart.
+
+Each `mtp up` run starts every log fresh and keeps the previous run's as
+NAME.log.1, so a crash report shows this run's lines only; the group's own
+restarts within a run append to the same log.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ class RankExit:
     name: str
     returncode: int
     log_tail: str
+
+
+def rotate_log(path: Path) -> None:
+    """Keep the previous run's log as NAME.log.1 (replacing an older one); the next write starts fresh."""
+    try:
+        os.replace(path, path.with_name(path.name + ".1"))
+    except FileNotFoundError:
+        pass
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
@@ -78,12 +90,17 @@ class ProcessGroup:
         self.grace_seconds = grace_seconds
         self.restarts = 0
         self._procs: dict[str, subprocess.Popen] = {}
+        self._logs_rotated = False
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self._logs_rotated:  # the first start of this run; restarts append
+            for member in self.members:
+                rotate_log(self.log_path(member.name))
+            self._logs_rotated = True
         for member in self.members:
             with open(self.log_path(member.name), "ab") as log:
                 # Own session: stopping a rank also stops anything it spawned.

@@ -24,7 +24,7 @@ from mtp_operator.gang import REASON_BUDGET_EXHAUSTED, REASON_MEMBER_RESTARTED
 from mtp_operator.local import report
 from mtp_operator.local.client import smoke_requests
 from mtp_operator.local.probe import probe_health, scrape_metrics
-from mtp_operator.local.processes import LocalProcess, ProcessGroup, log_tail, terminate
+from mtp_operator.local.processes import LocalProcess, ProcessGroup, log_tail, rotate_log, terminate
 from mtp_operator.metrics import (
     MetricsFormatError,
     SpecDecodeCounters,
@@ -84,6 +84,7 @@ class LocalDeployment:
                                   self.options.restart_backoff, self.options.grace_seconds)
         self.scrape = Scrape()
         self._last_key: tuple | None = None
+        self.export_summary = ""  # the export's last line: what it did
         self._last_acceptance: str | None = None
 
     @property
@@ -128,6 +129,7 @@ class LocalDeployment:
         self.update_status(self.observations(self.export_observation("running"), []))
         self.options.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.options.log_dir / "export.log"
+        rotate_log(log_path)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(self.export.argv, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
@@ -142,7 +144,8 @@ class LocalDeployment:
             self.update_status(self.observations(self.export_observation("failed", message), []))
             return False
         if tail:
-            self.out(f"           export: {tail.splitlines()[-1]}")
+            self.export_summary = tail.splitlines()[-1]
+            self.out(f"           export: {self.export_summary}")
         return True
 
     # ---- ranks
@@ -219,7 +222,7 @@ class LocalDeployment:
         started = time.monotonic()
         if not self.run_export(stop):
             return EXIT_OK if stop.is_set() and self.status.get("phase") != "Failed" else EXIT_FAILED
-        export = self.export_observation("succeeded")
+        export = self.export_observation("succeeded", self.export_summary)  # "... up to date" or "... exported"
         self.group.start()
         was_ready = False
         try:

@@ -7,7 +7,13 @@ import sys
 
 import pytest
 
-from mtp_operator.local.model_prep import MAKE_TINY_ANNOTATION, ModelPrepError, ensure_model, make_tiny_argv
+from mtp_operator.local.model_prep import (
+    MADE_WITH_FILE,
+    MAKE_TINY_ANNOTATION,
+    ModelPrepError,
+    ensure_model,
+    make_tiny_argv,
+)
 
 
 def test_makes_a_missing_model_with_the_annotation_arguments(tmp_path):
@@ -24,8 +30,8 @@ def test_makes_a_missing_model_with_the_annotation_arguments(tmp_path):
     assert "--arch glm4_moe" in lines[0]
     # No scratch folder left beside it.
     assert [p.name for p in model.parent.iterdir()] == ["tiny"]
-    # Present now: nothing to do.
-    assert not ensure_model(model, {MAKE_TINY_ANNOTATION: "--arch glm4_moe"}, log=lines.append)
+    # Present now, made with these arguments: nothing to do.
+    assert not ensure_model(model, {MAKE_TINY_ANNOTATION: "--arch glm4_moe --seed 3 --shards 1"}, log=lines.append)
 
 
 def test_failed_make_tiny_leaves_nothing(tmp_path):
@@ -58,3 +64,43 @@ def test_annotation_may_not_choose_the_output(tmp_path):
     argv = make_tiny_argv("--arch deepseek_v3", tmp_path / "m")
     assert argv[:4] == [sys.executable, "-m", "mtp_runtime", "make-tiny"]
     assert argv[-2:] == ["--out", str(tmp_path / "m")]
+
+
+def shard_bytes(model):
+    return {p.name: p.read_bytes() for p in sorted(model.glob("*.safetensors"))}
+
+
+SMALL = "--arch deepseek_v3 --num-hidden-layers 1 --shards 1"
+
+
+def test_a_model_made_with_other_arguments_is_remade(tmp_path):
+    model = tmp_path / "models" / "tiny"
+    quiet = lambda _: None  # noqa: E731
+    assert ensure_model(model, {MAKE_TINY_ANNOTATION: f"{SMALL} --seed 1"}, log=quiet, output=quiet)
+    first = shard_bytes(model)
+    lines = []
+    # The same arguments (spelled differently): the model is what the annotation asks for.
+    assert not ensure_model(model, {MAKE_TINY_ANNOTATION: f"  {SMALL}   --seed '1'"}, log=lines.append)
+    assert lines == []
+    assert ensure_model(model, {MAKE_TINY_ANNOTATION: f"{SMALL} --seed 2"}, log=lines.append, output=quiet)
+    assert "was made with make-tiny --arch deepseek_v3 --num-hidden-layers 1 --shards 1 --seed 1" in lines[0]
+    assert "now says" in lines[0] and lines[0].endswith("--seed 2: remaking it")
+    assert shard_bytes(model) != first  # other weights: really made again
+    assert [p.name for p in model.parent.iterdir()] == ["tiny"]  # no scratch or old copy left
+
+
+def test_a_failed_remake_keeps_the_old_model_and_a_foreign_model_is_left_alone(tmp_path):
+    model = tmp_path / "tiny"
+    quiet = lambda _: None  # noqa: E731
+    ensure_model(model, {MAKE_TINY_ANNOTATION: f"{SMALL} --seed 1"}, log=quiet, output=quiet)
+    before = shard_bytes(model)
+    with pytest.raises(ModelPrepError, match="make-tiny failed"):
+        ensure_model(model, {MAKE_TINY_ANNOTATION: f"{SMALL} --hidden-size -5"}, log=quiet, output=quiet)
+    assert shard_bytes(model) == before
+    assert not ensure_model(model, {MAKE_TINY_ANNOTATION: f"{SMALL} --seed 1"}, log=quiet)
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny"]
+    (model / MADE_WITH_FILE).unlink()  # as if the user had put their own checkpoint there
+    lines = []
+    assert not ensure_model(model, {MAKE_TINY_ANNOTATION: f"{SMALL} --seed 2"}, log=lines.append)
+    assert shard_bytes(model) == before
+    assert len(lines) == 1 and "mtp up did not make it" in lines[0] and str(model) in lines[0]

@@ -186,3 +186,26 @@ def test_free_ports_are_distinct_and_bindable():
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_each_run_starts_its_logs_fresh_and_keeps_the_last_one(tmp_path):
+    # A crash report must show this run's lines, not another run's.
+    (port,) = free_ports(1)
+    (tmp_path / "rank-0.log").write_text("a line of the run before last\n")
+    for run in (1, 2):
+        group = ProcessGroup([rank("rank-0", port, EXIT_AFTER="0.1", EXIT_CODE=str(run))], tmp_path,
+                             restart_budget=1, restart_backoff=0.01)
+        group.start()
+        end = time.monotonic() + 10
+        while (crash := group.first_exit()) is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert crash is not None and crash.returncode == run
+        group.restart(sleep=lambda _: None)  # a restart within the run appends
+        while group.first_exit() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        group.stop(grace_seconds=0)
+        log = (tmp_path / "rank-0.log").read_text()
+        assert log.count("rank up on") == 2 and "run before last" not in log
+    previous = (tmp_path / "rank-0.log.1").read_text()
+    assert previous.count("rank up on") == 2 and "run before last" not in previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.log", "rank-0.log.1"]
