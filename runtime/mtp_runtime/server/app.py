@@ -40,6 +40,7 @@ from .openai_protocol import (
     completion_body,
     completion_chunk,
     lone_surrogate_error,
+    may_hold_lone_surrogate,
     models_body,
     new_id,
     usage_chunk,
@@ -101,15 +102,27 @@ def _too_large(size: str, limit: int) -> APIError:
 
 
 def parse_body(raw: bytearray, model_cls):
-    """JSON bytes -> a validated request model, or an APIError (400) naming what is wrong."""
+    """JSON bytes -> a validated request model, or an APIError (400) naming what is wrong.
+
+    `raw` is emptied once decoded, so a large body is held at most twice
+    (its bytes while they are decoded, then its text while it is parsed).
+    """
     try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: not UTF-8 ({exc.reason} at byte {exc.start})",
+                       code="invalid_json") from None
+    may_hold_surrogates = may_hold_lone_surrogate(raw)
+    raw.clear()
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, and ints of over 4300 digits
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
         raise APIError(400, f"request body is not valid JSON: {reason}", code="invalid_json") from None
+    del text
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    surrogate = lone_surrogate_error(raw, body)
+    surrogate = lone_surrogate_error(body) if may_hold_surrogates else None
     if surrogate is not None:
         raise surrogate
     try:

@@ -162,14 +162,17 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
-def lone_surrogate_error(raw: bytes | bytearray, body) -> APIError | None:
+def may_hold_lone_surrogate(raw: bytes | bytearray) -> bool:
+    """False when the JSON text `raw` surely holds no lone surrogate (the usual case: no walk needed)."""
+    return _SURROGATE_ESCAPE.search(raw) is not None
+
+
+def lone_surrogate_error(body) -> APIError | None:
     """A 400 naming the first string of the parsed body that holds a lone UTF-16 surrogate.
 
     Such a string is not Unicode text: the tokenizer, the chat template and
     the JSON encoder of the answer would all fail on it.
     """
-    if not _SURROGATE_ESCAPE.search(raw):
-        return None
     stack: list[tuple[str, object]] = [("", body)]
     while stack:
         path, value = stack.pop()
