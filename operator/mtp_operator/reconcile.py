@@ -74,7 +74,7 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, stats: tuple[SpecDecode
     name, namespace = meta["name"], meta["namespace"]
     old_status = dict(body.get("status") or {})
     try:
-        spec = parse_spec(body.get("spec"))
+        spec = parse_spec(body.get("spec"), settings=cluster.settings)  # with the rules the API server lacks
         plan = plan_deployment(name, namespace, spec, master_host=kubernetes_master_host(name, namespace),
                                settings=cluster.settings)
     except (SpecError, PlanError) as exc:

@@ -47,6 +47,24 @@ def test_invalid_spec_fails_without_api_calls(make_cr):
     assert cond(out.status, "DraftReady")["status"] == "False"
 
 
+def test_rules_the_api_server_cannot_check_fail_the_spec(make_cr):
+    """The CRD admits these (operator settings, mtp serve's own validator); the reconcile refuses them."""
+    kube = RecordingKube()
+    settings = OperatorSettings(probe_pods=False, allowed_host_path_prefixes=("/mnt/models",))
+    cr = make_cr(changes={"model": {"volume": {"claimName": None, "hostPath": "/srv/models"}}})
+    out = reconcile(cr, Cluster(kube, settings), None, now=1000.0)
+    assert kube.calls == [] and out.status["phase"] == "Failed"
+    assert "spec.model.volume.hostPath: /srv/models is outside" in cond(out.status, "Ready")["message"]
+    out = step(make_cr(changes={"runtime": {"blockSize": 4096}}), kube)
+    assert kube.calls == [] and "spec.runtime.blockSize: " in cond(out.status, "Ready")["message"]
+
+
+def test_api_key_secret_never_reaches_status_or_events(make_cr):
+    out = step(make_cr(changes={"apiKeySecret": {"name": "mtp-api", "key": "token"}}), RecordingKube())
+    text = repr(out.status) + repr(out.events)
+    assert "mtp-api" not in text and "token" not in text
+
+
 def test_unlaunchable_spec_names_the_field(make_cr):
     cr = make_cr(changes={"engine": "vllm", "accelerator": {"resourceName": "nvidia.com/gpu", "count": 8},
                           "runtime": {"dpSize": 3}})

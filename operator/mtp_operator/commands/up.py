@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import signal
 import sys
@@ -67,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whole-group restarts allowed (default: the operator's gang restart budget)")
     parser.add_argument("--restart-backoff", type=float, default=None,
                         help="seconds before the first group restart, doubling each time (default: the operator's)")
-    parser.add_argument("--grace-period", type=float, default=15.0,
-                        help="seconds a rank gets to exit after SIGTERM on shutdown before it is killed (default 15)")
+    parser.add_argument("--grace-period", type=float, default=None,
+                        help="seconds a rank gets to exit after SIGTERM on shutdown before it is killed (default: "
+                        "the pods' terminationGracePeriodSeconds, spec.runtime.shutdownTimeout + 15)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print each process's command line and environment, then exit without running")
     parser.add_argument("--make-model-only", action="store_true",
@@ -108,7 +110,8 @@ def prepare(args: argparse.Namespace):
 
     Raises the input errors `run` reports: each names the file and the field.
     """
-    from mtp_operator.local.launch import choose_ports, export_process, plan_local, rank_processes
+    from mtp_operator.local.launch import (choose_ports, export_process, plan_local, rank_processes,
+                                           require_reference_env)
     from mtp_operator.local.model_prep import ensure_model
     from mtp_operator.local.paths import LocalPaths
     from mtp_operator.local.runner import LocalDeployment, UpOptions
@@ -117,8 +120,8 @@ def prepare(args: argparse.Namespace):
 
     resource = load_resource(args.file)
     metadata = resource["metadata"]
-    spec = parse_spec(resource.get("spec"))
     settings = OperatorSettings.from_env()
+    spec = parse_spec(resource.get("spec"), settings=settings)
     paths = LocalPaths.for_spec(spec, args.models_dir)
     made = False
     if not args.dry_run:
@@ -128,6 +131,8 @@ def prepare(args: argparse.Namespace):
         return None
     http_port, master_port = choose_ports(spec, args.port, args.master_port)
     plan = plan_local(metadata["name"], spec, http_port, master_port)
+    if not args.dry_run:
+        require_reference_env(spec, plan, os.environ)
     options = UpOptions(
         log_dir=args.log_dir or Path(tempfile.gettempdir()) / "mtp-up" / metadata["name"],
         once=args.once, timeout=args.timeout if args.timeout or not args.once else 900.0,
@@ -135,7 +140,8 @@ def prepare(args: argparse.Namespace):
         status_file=args.status_file,
         restart_budget=settings.gang_restart_budget if args.restart_budget is None else args.restart_budget,
         restart_backoff=settings.gang_restart_backoff if args.restart_backoff is None else args.restart_backoff,
-        grace_seconds=args.grace_period, generation=int(metadata.get("generation") or 1),
+        grace_seconds=plan.termination_grace_seconds if args.grace_period is None else args.grace_period,
+        generation=int(metadata.get("generation") or 1),
     )
     export = export_process(plan, paths)
     if made and export is not None:

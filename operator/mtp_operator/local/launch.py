@@ -5,12 +5,15 @@ Job and a StatefulSet, with loopback addresses, free ports and local paths.
     plan = plan_local(name, spec, http_port=..., master_port=...)
     export = export_process(plan, paths)          # None with spec.draftModel
     ranks = rank_processes(plan, paths)
+    require_reference_env(spec, plan, os.environ)   # Secrets/ConfigMaps: set here instead
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+from typing import Mapping
 
 from mtp_operator.local.paths import LocalPaths
 from mtp_operator.local.ports import free_ports, port_is_free
@@ -68,6 +71,17 @@ def plan_local(name: str, spec: MtpDeploymentSpec, http_port: int, master_port: 
     return plan_deployment(name, LOCAL_NAMESPACE, local_spec, master_host=LOOPBACK,
                            port_stride=processes_per_rank(spec), device_stride=spec.accelerator.count,
                            rank_ip=LOOPBACK)
+
+
+def require_reference_env(spec: MtpDeploymentSpec, plan: DeploymentPlan, environ: Mapping[str, str]) -> None:
+    """Secrets, ConfigMaps and pod fields have no local source: a variable the
+    pods would read from one must already be set here (the ranks inherit it)."""
+    fields = {e.name: f"spec.env[{i}].valueFrom" for i, e in enumerate(spec.env) if e.value_from is not None}
+    missing = [(fields.get(name, "spec.apiKeySecret"), name) for name in plan.pod_ref_env if name not in environ]
+    if missing:
+        where = ", ".join(f"{field} ({name})" for field, name in missing)
+        raise PlanError(f"{where}: mtp up cannot read Secrets, ConfigMaps or pod fields; set "
+                        f"{', '.join(name for _, name in missing)} in its environment (the ranks inherit it)")
 
 
 def local_command(argv: list[str], field: str) -> list[str]:

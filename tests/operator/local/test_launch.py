@@ -112,3 +112,81 @@ def test_several_devices_per_rank_get_their_own_ports_and_devices(tmp_path):
     assert f"--model={tmp_path}/tiny-deepseek-v3" in rank1.argv
     http, master = choose_ports(spec, None, None)
     assert master not in range(http, http + 4)
+
+
+def _prepare(tmp_path, spec_changes=None, *flags):
+    """`mtp up --dry-run`'s LocalDeployment for the sample with `spec_changes`."""
+    import argparse
+
+    from mtp_operator.commands import up
+
+    resource = yaml.safe_load(SAMPLE.read_text())
+    resource["spec"].update(spec_changes or {})
+    cr = tmp_path / "cr.yaml"
+    cr.write_text(yaml.safe_dump(resource))
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args([str(cr), "--models-dir", str(tmp_path / "models"), "--dry-run", "--port", "18500",
+                              "--master-port", "18599", *flags])
+    return up.prepare(args)
+
+
+def test_up_waits_as_long_as_the_pods_grace_period(tmp_path):
+    assert _prepare(tmp_path).options.grace_seconds == 45  # the server's 30 s drain + 15 s
+    deployment = _prepare(tmp_path, {"runtime": {"shutdownTimeout": 5}})
+    assert deployment.options.grace_seconds == deployment.plan.termination_grace_seconds == 20
+    assert "--shutdown_timeout=5" in deployment.ranks[0].argv
+    assert _prepare(tmp_path, {"runtime": {"shutdownTimeout": 5}}, "--grace-period", "3").options.grace_seconds == 3
+
+
+def test_up_applies_the_operators_host_path_setting(tmp_path, monkeypatch):
+    from mtp_operator.spec import SpecError
+
+    monkeypatch.setenv("MTP_OPERATOR_ALLOWED_HOST_PATH_PREFIXES", "/mnt/models")
+    with pytest.raises(SpecError, match="spec.model.volume.hostPath: /tmp/mtp-models is outside"):
+        _prepare(tmp_path)
+    monkeypatch.setenv("MTP_OPERATOR_ALLOWED_HOST_PATH_PREFIXES", "/tmp")
+    _prepare(tmp_path)
+
+
+def test_secret_and_config_map_env_must_be_set_locally():
+    from mtp_operator.local.launch import require_reference_env
+
+    spec = sample_spec(apiKeySecret={"name": "api", "key": "token"},
+                       env=[{"name": "A", "value": "1"},
+                            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}])
+    plan = plan_local("tiny-cpu", spec, 18100, 18199)
+    with pytest.raises(PlanError) as err:
+        require_reference_env(spec, plan, {})
+    assert "spec.env[1].valueFrom (HF_TOKEN), spec.apiKeySecret (MTP_API_KEY): mtp up cannot read" in str(err.value)
+    require_reference_env(spec, plan, {"HF_TOKEN": "x", c.ENV_API_KEY: "k"})  # inherited by the ranks
+
+
+def test_smoke_requests_send_the_api_key(serve_http, monkeypatch):
+    import http.server
+    import json
+
+    from mtp_operator.local.client import smoke_requests
+
+    seen = []
+
+    class Rank0(http.server.BaseHTTPRequestHandler):
+        def answer(self, body):
+            seen.append(self.headers.get("Authorization"))
+            data = json.dumps(body).encode()
+            self.send_response(200 if seen[-1] == "Bearer k-1" else 401)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.answer({"data": [{"id": "tiny"}]})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.answer({"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}})
+
+    monkeypatch.setenv(c.ENV_API_KEY, "k-1")
+    with serve_http(Rank0) as port:
+        done = smoke_requests(f"http://127.0.0.1:{port}", 2)
+    assert [d.text for d in done] == ["x", "x"] and seen == ["Bearer k-1"] * 3
