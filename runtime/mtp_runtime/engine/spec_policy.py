@@ -15,12 +15,13 @@ by `switch_margin` to replace it (noise in the timings would otherwise flip
 k every step, and each rise pays for drafts the previous step did not make).
 
 Exploration: every `probe_interval` steps (jittered, from `seed`, so runs
-repeat) the policy holds another k for `probe_steps` steps, in turn, so that
-every depth keeps being measured: when the draft turns bad the policy falls
-to k = 0, and the probes bring speculation back once it agrees again. A
-probe lasts two steps because a step at a higher k than the one before
+repeat) the policy runs another k, in turn, so that every depth keeps being
+measured: when the draft turns bad the policy falls to k = 0, and the probes
+bring speculation back once it agrees again. A probe of a higher k lasts
+`probe_steps` (2) steps because a step at a higher k than the one before
 verifies filler for the drafts the earlier step did not make (engine:
-`Sequence.num_real_drafts`); only real drafts are counted as evidence.
+`Sequence.num_real_drafts`; only real drafts are counted as evidence); a
+probe of a lower k only refreshes its cost and lasts one step.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ class AdaptivePolicy:
         return self._current
 
     def _start_probe(self, k: int) -> int:
-        self._probe_k, self._probe_left = k, self.probe_steps - 1
+        self._probe_k, self._probe_left = k, self.probe_steps - 1 if k > self._current else 0
         return k
 
     def _next_probe_gap(self) -> int:

@@ -125,9 +125,30 @@ def test_probes_keep_every_depth_measured_and_runs_repeat_from_the_seed():
 
 def test_unmeasured_depths_are_tried_first():
     policy = AdaptivePolicy(2, probe_steps=2)
-    assert [policy.choose(1) for _ in range(2)] == [0, 0]  # nothing measured yet: k = 0 first, for two steps
+    assert [policy.choose(1) for _ in range(2)] == [0, 0]  # nothing measured yet: k = 0 until it is
     policy.record_step(0, 1, 1.0)
     assert policy.choose(1) == 1
+    policy.record_step(1, 1, 1.0)
+    assert policy.choose(1) == 2
+
+
+def test_probes_of_a_lower_k_take_one_step_and_of_a_higher_k_two():
+    def cost(k, b):
+        return 1.0 + 0.1 * k
+
+    policy = _seeded(AdaptivePolicy(2, prior_weight=1e-9, probe_interval=8, seed=1), cost)
+    for _ in range(20):
+        policy.record_verify(2, 1)  # p = [1, 0]: k = 1 is best (2 tokens for 1.1 s)
+    chosen = [policy.choose(1) for _ in range(60)]
+    runs, i = [], 0
+    while i < len(chosen):
+        j = i
+        while j < len(chosen) and chosen[j] == chosen[i]:
+            j += 1
+        runs.append((chosen[i], j - i))
+        i = j
+    assert runs[0][0] == 1 and {k for k, _ in runs} == {0, 1, 2}
+    assert all(n == 1 for k, n in runs if k == 0) and all(n == 2 for k, n in runs if k == 2)
     assert policy.cost(0, 32) == 1.0  # the nearest measured bucket stands in for an unmeasured one
 
 
