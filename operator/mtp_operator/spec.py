@@ -3,9 +3,12 @@
 Field names are snake_case in Python and camelCase in YAML (aliases). A spec
 is checked in three layers; every error is `spec.<field>: why`:
 
-1. Schema: types (strict, as the API server: `nnodes: "2"`, `2.0` or `true`
-   is not an integer, `"off"` is not a boolean), patterns, bounds and
-   lengths in each `Field`. They become the CRD's OpenAPI schema.
+1. Schema: types (strict, as the API server: `nnodes: "2"` or `true` is not
+   an integer, `"off"` is not a boolean), patterns, bounds and lengths in
+   each `Field`. They become the CRD's OpenAPI schema. One difference: an
+   integral float (`nnodes: 2.0`) is refused here, while kube-apiserver
+   admits it in an integer field no CEL rule reads (storing 2; a rule that
+   reads the field fails on it) and kubectl sends YAML's 2.0 as 2 anyway.
 2. `CelRule`s of a model (`cel_rules`), for rules that span fields: the CEL
    text goes into the CRD's `x-kubernetes-validations` (the API server
    enforces it; `field` becomes its `fieldPath`) and the same rule in Python
