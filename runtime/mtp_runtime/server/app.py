@@ -85,15 +85,41 @@ async def read_body(request: Request, limit: int) -> bytearray:
             raise APIError(400, f"Content-Length: {declared[:40]!r} is not a byte count", code="invalid_request")
         if int(declared) > limit:
             raise _too_large(f"{int(declared)} bytes", limit)
-    body = bytearray()
+        # Filled as it arrives: each chunk is freed at once, nothing is copied twice.
+        body, size = bytearray(int(declared)), 0
+        with memoryview(body) as view:
+            async for chunk in _chunks(request):
+                if size + len(chunk) > len(body):
+                    raise APIError(400, "request body: longer than its Content-Length", code="invalid_request")
+                view[size:size + len(chunk)] = chunk
+                size += len(chunk)
+        if size != len(body):
+            raise APIError(400, f"request body: {size} bytes, its Content-Length says {len(body)}",
+                           code="invalid_request")
+        return body
+    # No length: chunks are joined once at the end (a growing buffer would be copied as it grows).
+    chunks, size = [], 0
+    async for chunk in _chunks(request):
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"more than {limit} bytes", limit)
+        chunks.append(chunk)
+    body = bytearray(size)
+    with memoryview(body) as view:
+        start = 0
+        for i, chunk in enumerate(chunks):
+            view[start:start + len(chunk)] = chunk
+            start += len(chunk)
+            chunks[i] = b""  # each chunk is freed once copied
+    return body
+
+
+async def _chunks(request: Request):
     try:
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise _too_large(f"more than {limit} bytes", limit)
+            yield chunk
     except ClientDisconnect:
         raise APIError(499, "client disconnected while sending the body", code="client_closed") from None
-    return body
 
 
 def _too_large(size: str, limit: int) -> APIError:
