@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "hack" / "bench_server_limits.py"
@@ -10,6 +11,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "hack" / "bench_server_limits.py"
 def load_bench():
     spec = importlib.util.spec_from_file_location("bench_server_limits", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
