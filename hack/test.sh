@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 bash hack/setup-env.sh
 # shellcheck disable=SC1091
 . "${MTP_VENV:-.venv}/bin/activate"
+# The real control plane of tests/cluster: built once per version and cached (see the README).
+MTP_CONTROL_PLANE_BIN="$(bash hack/control-plane-bin.sh)"
+export MTP_CONTROL_PLANE_BIN
 exec python -m pytest "$@"

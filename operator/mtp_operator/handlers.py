@@ -34,7 +34,7 @@ from mtp_operator.probes import fetch_metrics
 from mtp_operator.reconcile import Cluster, phase_event, reconcile
 from mtp_operator.settings import OperatorSettings
 from mtp_operator.spec import SpecError, parse_spec
-from mtp_operator.status import status_changes, utc_now
+from mtp_operator.status import status_changes, utc_now, with_conditions_of
 
 log = logging.getLogger(__name__)
 OURS = {c.LABEL_MANAGED_BY: c.MANAGED_BY_VALUE}
@@ -42,8 +42,12 @@ RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
 RETRY_BACKOFF = 5.0  # seconds before a failed handler (e.g. an API error) runs again
 
 
-def build_registry(settings: OperatorSettings,
-                   api_client_factory: Callable[[], Any] = load_api_client) -> kopf.OperatorRegistry:
+def build_registry(settings: OperatorSettings, api_client_factory: Callable[[], Any] | None = None,
+                   kubeconfig: str | None = None) -> kopf.OperatorRegistry:
+    """kopf's registry of our handlers; credentials from `kubeconfig` (default: in-cluster or KUBECONFIG)."""
+    if api_client_factory is None:
+        def api_client_factory() -> Any:
+            return load_api_client(kubeconfig)
     registry = kopf.OperatorRegistry()
     state: dict[str, Any] = {}
     locks: dict[str, threading.Lock] = {}
@@ -67,7 +71,7 @@ def build_registry(settings: OperatorSettings,
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
         # The same credentials for kopf's watches and for kube.py's client.
-        return connection_info(load_configuration())
+        return connection_info(load_configuration(kubeconfig))
 
     @kopf.index("batch", "v1", "jobs", id="mtp_jobs", labels=OURS, registry=registry)
     def mtp_jobs(body: kopf.Body, **_: Any) -> dict:
@@ -93,7 +97,9 @@ def build_registry(settings: OperatorSettings,
             stats = memo.pop("fresh_stats", None)
             # A handler's body can predate the status this process wrote a moment ago (a timer that
             # waited for the lock, a watch event still in flight): decide from the newest we know.
-            known = memo.get("status") or dict(body.get("status") or {})
+            observed = dict(body.get("status") or {})
+            # Other writers' conditions come from the object as read, never from our memory.
+            known = with_conditions_of(memo["status"], observed) if memo.get("status") else observed
             outcome = reconcile({**body, "status": known}, cluster, stats, time.time())
             memo["status"] = outcome.status
         old = dict(body.get("status") or {})

@@ -81,9 +81,9 @@ def _figures(stats: SpecDecodeStats, stats_time: str | None) -> dict[str, Any]:
         "speculative": clean({"acceptanceRate": stats.acceptance_rate,
                               "meanAcceptedTokensPerStep": stats.mean_accepted_tokens_per_step,
                               "perPositionAcceptance": stats.per_position_acceptance,
+                              "meanSpeculativeTokens": stats.mean_speculative_tokens,
                               "draftTokens": int(stats.draft_tokens), "observedTime": stats_time}),
         "throughput": clean({"generationTokensPerSecond": stats.generation_tokens_per_second,
-                              "meanSpeculativeTokens": stats.mean_speculative_tokens,
                              "promptTokensPerSecond": stats.prompt_tokens_per_second,
                              "requestsRunning": stats.requests_running, "requestsWaiting": stats.requests_waiting,
                              "kvCacheUsageRatio": stats.kv_cache_usage_ratio}),
@@ -150,7 +150,7 @@ def compute_status(old: dict[str, Any] | None, obs: Observations, *, min_accepta
         _condition(old_conditions, c.CONDITION_READY, *ready, now, gen),
         _condition(old_conditions, c.CONDITION_PROGRESSING, *progressing, now, gen),
         _condition(old_conditions, c.CONDITION_DEGRADED, *degraded, now, gen),
-    ]
+    ] + foreign_conditions(old)
     status: dict[str, Any] = {
         "phase": phase, "observedGeneration": gen, "conditions": conditions,
         "readyNodes": ready_count, "nnodes": obs.nnodes, "nodes": f"{ready_count}/{obs.nnodes}",
@@ -162,6 +162,20 @@ def compute_status(old: dict[str, Any] | None, obs: Observations, *, min_accepta
     if gang:
         status["gang"] = gang
     return status
+
+
+OWN_CONDITIONS = (c.CONDITION_DRAFT_READY, c.CONDITION_READY, c.CONDITION_PROGRESSING, c.CONDITION_DEGRADED)
+
+
+def foreign_conditions(status: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Conditions other writers keep in our status (a policy engine, an admin): never ours to drop."""
+    return [cond for cond in (status or {}).get("conditions", []) if cond.get("type") not in OWN_CONDITIONS]
+
+
+def with_conditions_of(status: dict[str, Any], observed: dict[str, Any] | None) -> dict[str, Any]:
+    """`status` with its foreign conditions replaced by those of `observed` (the object as last read)."""
+    own = [cond for cond in status.get("conditions", []) if cond.get("type") in OWN_CONDITIONS]
+    return {**status, "conditions": own + foreign_conditions(observed)}
 
 
 def status_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,10 @@ from mtp_operator.spec import ApiModel
 
 
 class Condition(ApiModel):
-    type: Literal["DraftReady", "Ready", "Progressing", "Degraded"]
+    # Any type, as in metav1.Condition: other controllers may keep their own conditions here. Ours are
+    # DraftReady, Ready, Progressing and Degraded.
+    type: str = Field(pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                              r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$", max_length=316)
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
     message: str = ""
@@ -26,12 +29,12 @@ class SpeculativeStatus(ApiModel):
     acceptance_rate: float | None = Field(None, description="Accepted / drafted tokens over the last interval.")
     mean_accepted_tokens_per_step: float | None = None
     per_position_acceptance: list[float] = Field(default_factory=list)
-    draft_tokens: int | None = Field(None, description="Drafted tokens in the last interval.")
-    observed_time: str | None = None
-
     mean_speculative_tokens: float | None = Field(
         None, description="Mean k the engine chose per step over the last interval (builtin engine; with "
         "spec.speculative.adaptive it moves with acceptance and load).")
+    draft_tokens: int | None = Field(None, description="Drafted tokens in the last interval.")
+    observed_time: str | None = None
+
 
 class ThroughputStatus(ApiModel):
     generation_tokens_per_second: float | None = None

@@ -14,7 +14,6 @@ import asyncio
 import importlib.util
 import itertools
 import json
-import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -23,13 +22,12 @@ from typing import Any, Callable
 
 import aiohttp.web
 import kmock
-import kopf
 import pytest
 import pytest_asyncio
 from kmock._internal.dicts import patch_dict
 
 from mtp_operator import constants as c
-from mtp_operator.handlers import build_registry
+from mtp_operator.embedded import EmbeddedOperator
 from mtp_operator.settings import OperatorSettings
 
 NS = "default"
@@ -233,39 +231,16 @@ def operator_settings() -> OperatorSettings:
 
 
 class OperatorProcess:
-    """The real kopf operator in its own thread and event loop (as in production), restartable.
-
-    A thread, not a task in the test's loop: on exit kopf cancels every task
-    spawned while it ran, which would include the test's own.
-    """
+    """The real kopf operator in its own thread (EmbeddedOperator), started and stopped from async tests."""
 
     def __init__(self, settings: OperatorSettings):
-        self.settings = settings
-        self.thread: threading.Thread | None = None
-        self.stop_flag = threading.Event()
-        self.error: BaseException | None = None
-
-    def _main(self, ready: threading.Event) -> None:
-        try:
-            asyncio.run(kopf.operator(registry=build_registry(self.settings), namespaces=[NS], standalone=True,
-                                      stop_flag=self.stop_flag, ready_flag=ready))
-        except BaseException as exc:  # surfaced by stop()
-            self.error = exc
+        self.embedded = EmbeddedOperator(settings)
 
     async def start(self) -> None:
-        self.stop_flag, ready = threading.Event(), threading.Event()
-        self.thread = threading.Thread(target=self._main, args=(ready,), name="kopf-operator", daemon=True)
-        self.thread.start()
-        assert await asyncio.to_thread(ready.wait, 20), "operator did not become ready"
+        await asyncio.to_thread(self.embedded.start)
 
     async def stop(self) -> None:
-        if self.thread is not None:
-            self.stop_flag.set()
-            await asyncio.to_thread(self.thread.join, 20)
-            assert not self.thread.is_alive(), "operator did not stop"
-            self.thread = None
-        if self.error is not None:
-            raise self.error
+        await asyncio.to_thread(self.embedded.stop)
 
 
 @pytest_asyncio.fixture
