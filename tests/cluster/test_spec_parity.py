@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from mtp_operator.crd import build_crd
+from mtp_operator.settings import OperatorSettings
 from mtp_operator.spec import ApiModel, SpecError, parse_spec
 
 pytestmark = pytest.mark.cluster
@@ -35,11 +36,13 @@ MAXIMAL: dict[str, Any] = {
     "image": "registry.example/mtp/runtime:1",
     "accelerator": {"resourceName": "nvidia.com/gpu", "count": 1},
     "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}},
-    "speculative": {"numSpeculativeTokens": 2, "minAcceptanceRate": 0.5},
+    "speculative": {"numSpeculativeTokens": 2, "adaptive": True, "minAcceptanceRate": 0.5},
     "runtime": {"maxMemoryUtilization": 0.9, "maxTokensPerBatch": 512, "maxSeqsPerBatch": 16, "blockSize": 16,
-                "epSize": 1, "dpSize": 1, "enablePrefixCache": True, "enableChunkedPrefill": False},
+                "epSize": 1, "dpSize": 1, "enablePrefixCache": True, "enableChunkedPrefill": False,
+                "shutdownTimeout": 30},
     "env": [{"name": "LOG_LEVEL", "value": "info"}],
-    "extraArgs": ["--trust_remote_code=true"],
+    "apiKeySecret": {"name": "mtp-api", "key": "token"},
+    "extraArgs": ["--served_model_name=ds"],
     "ports": {"http": 8000, "master": 29500},
     "scheduling": {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
                    "affinity": {}, "priorityClassName": "high", "schedulerName": "default-scheduler"},
@@ -55,7 +58,14 @@ DRAFT_VARIANT = {**{k: v for k, v in MAXIMAL.items() if k != "export"}, "draftMo
 HOST_PATH_VARIANT = {**MAXIMAL, "model": {**MAXIMAL["model"], "volume": {"hostPath": "/data/models"}}}
 LOCALHOST_VARIANT = {**MAXIMAL, "securityContext": {
     **MAXIMAL["securityContext"], "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/mtp.json"}}}
-VARIANTS = [MAXIMAL, DRAFT_VARIANT, HOST_PATH_VARIANT, LOCALHOST_VARIANT]
+SECRET_ENV_VARIANT = {**MAXIMAL, "env": [{"name": "TOKEN", "valueFrom": {
+    "secretKeyRef": {"name": "creds", "key": "token", "optional": False}}}]}
+CONFIG_ENV_VARIANT = {**MAXIMAL, "env": [{"name": "MODE", "valueFrom": {
+    "configMapKeyRef": {"name": "settings", "key": "mode", "optional": True}}}]}
+FIELD_ENV_VARIANT = {**MAXIMAL, "env": [{"name": "NODE", "valueFrom": {
+    "fieldRef": {"fieldPath": "spec.nodeName", "apiVersion": "v1"}}}]}
+VARIANTS = [MAXIMAL, DRAFT_VARIANT, HOST_PATH_VARIANT, LOCALHOST_VARIANT, SECRET_ENV_VARIANT, CONFIG_ENV_VARIANT,
+            FIELD_ENV_VARIANT]
 
 
 def _set(spec: dict, path: list, value: Any) -> dict:
@@ -91,7 +101,8 @@ def _failing_pattern_value(pattern: str, valid: Any) -> str:
 
 
 # Too-long values the generic padding cannot build (a pattern that fixes the value's shape).
-LONG_VALUES = {"spec.accelerator.resourceName": lambda n: "huawei.com/Ascend" + "9" * n}
+LONG_VALUES = {"spec.accelerator.resourceName": lambda n: "huawei.com/Ascend" + "9" * n,
+               "spec.env.0.valueFrom.fieldRef.fieldPath": lambda n: "metadata.labels['" + "a" * n + "']"}
 
 
 def _long_value(valid: str, max_length: int, pattern: str | None, where: str = "") -> str | None:
@@ -158,8 +169,10 @@ def _walk(node: dict, path: list) -> Iterator[Case]:
         yield f"{where}:pattern", _set(base, path, _failing_pattern_value(node["pattern"], value)), where
     if "maxLength" in node and isinstance(value, str):
         long = _long_value(value, node["maxLength"], node.get("pattern"), where)
-        assert long is not None, f"cannot build a too-long value for {where}"
-        yield f"{where}:maxLength", _set(base, path, long), where
+        if long is None:
+            UNSET.append(f"{where} (no too-long value matches its pattern: add one to LONG_VALUES)")
+        else:
+            yield f"{where}:maxLength", _set(base, path, long), where
     if kind == "array":
         if not value:
             UNSET.append(f"{where}[0]")
@@ -184,10 +197,26 @@ def _walk(node: dict, path: list) -> Iterator[Case]:
 CEL_BREAKERS: dict[str, tuple[Callable[[dict], dict], str]] = {
     "set exactly one of volume.claimName or volume.hostPath": (
         lambda s: _set(s, ["model", "volume", "hostPath"], "/data/models"), "spec.model.volume"),
+    "hostPath must not be, lie in or contain a system directory of the node": (
+        lambda s: _set(s, ["model", "volume"], {"hostPath": "/var/lib/kubelet/pods"}),
+        "spec.model.volume.hostPath"),
     "model.path must lie under model.mountPath (the model volume)": (
-        lambda s: _set(s, ["model", "path"], "/elsewhere/ds"), "spec.model"),
+        lambda s: _set(s, ["model", "path"], "/elsewhere/ds"), "spec.model.path"),
+    "mountPath must not be, lie in or contain a system directory of the container": (
+        lambda s: {**s, "model": {**s["model"], "mountPath": "/usr", "path": "/usr/ds"},
+                   "export": {**s["export"], "outputPath": "/usr/ds-mtp"}}, "spec.model.mountPath"),
+    "requests.cpu must not exceed limits.cpu": (
+        lambda s: _set(s, ["resources", "requests", "cpu"], "3"), "spec.resources.requests.cpu"),
+    "requests.memory must not exceed limits.memory": (
+        lambda s: _set(s, ["export", "resources", "requests", "memory"], "3Gi"),
+        "spec.export.resources.requests.memory"),
     "accelerator.count must be >= 1 exactly when accelerator.resourceName is set": (
         lambda s: _set(s, ["accelerator", "count"], 0), "spec.accelerator"),
+    "valueFrom needs exactly one of secretKeyRef, configMapKeyRef or fieldRef": (
+        lambda s: _set(SECRET_ENV_VARIANT, ["env", 0, "valueFrom", "fieldRef"], {"fieldPath": "spec.nodeName"}),
+        "spec.env.0.valueFrom"),
+    "set exactly one of env[].value or env[].valueFrom": (
+        lambda s: _set(SECRET_ENV_VARIANT, ["env", 0, "value"], "x"), "spec.env.0"),
     "ports.http and ports.master must differ": (lambda s: _set(s, ["ports", "master"], 8000), "spec.ports"),
     "securityContext.seccompProfile.localhostProfile is set exactly when type is Localhost": (
         lambda s: _set(s, ["securityContext", "seccompProfile", "type"], "Localhost"),
@@ -197,16 +226,32 @@ CEL_BREAKERS: dict[str, tuple[Callable[[dict], dict], str]] = {
     "set exactly one of spec.draftModel (an existing draft) or spec.export (export one from spec.model)": (
         lambda s: {**s, "draftModel": {"path": "/models/ds-draft"}}, "spec"),
     "draftModel.path must lie under model.mountPath (the model volume)": (
-        lambda s: {**DRAFT_VARIANT, "draftModel": {"path": "/other/draft"}}, "spec"),
-    "export.outputPath must lie under model.mountPath and differ from model.path": (
-        lambda s: _set(s, ["export", "outputPath"], "/models/ds"), "spec"),
+        lambda s: {**DRAFT_VARIANT, "draftModel": {"path": "/other/draft"}}, "spec.draftModel.path"),
+    "draftModel.path must differ from model.path": (
+        lambda s: {**DRAFT_VARIANT, "draftModel": {"path": "/models/ds"}}, "spec.draftModel.path"),
+    "export.outputPath must lie under model.mountPath (the model volume)": (
+        lambda s: _set(s, ["export", "outputPath"], "/other/ds-mtp"), "spec.export.outputPath"),
+    "export.outputPath must not be, lie in or contain model.path": (
+        lambda s: _set(s, ["export", "outputPath"], "/models/ds/mtp"), "spec.export.outputPath"),
     "model.volume.readOnly cannot be true when export writes the draft into it": (
         lambda s: _set(s, ["model", "volume", "readOnly"], True), "spec"),
-    "env must not set MTP_NODE_RANK, MTP_NNODES or MTP_MASTER_ADDR (the operator sets them)": (
-        lambda s: _set(s, ["env"], [{"name": "MTP_NNODES", "value": "3"}]), "spec"),
+    "env must not set MTP_NODE_RANK, MTP_NNODES, MTP_MASTER_ADDR, MTP_POD_IP": (
+        lambda s: _set(s, ["env"], [{"name": "MTP_POD_IP", "value": "127.0.0.1"}]), "spec.env"),
+    "env must not name a variable twice": (
+        lambda s: _set(s, ["env"], [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]), "spec.env"),
     "extraArgs items are single argv entries and must not contain newlines": (
         lambda s: _set(s, ["extraArgs"], ["--a=1\n--b=2"]), "spec"),
+    "extraArgs must not set a flag the operator sets": (
+        lambda s: _set(s, ["extraArgs"], ["--node-rank", "3"]), "spec.extraArgs"),
+    "apiKeySecret is for engines builtin and vllm": (
+        lambda s: {**s, "engine": "xllm", "runtime": {}, "speculative": {"numSpeculativeTokens": 1}},
+        "spec.apiKeySecret"),
 }
+
+
+def _breaker(message: str) -> tuple[Callable[[dict], dict], str] | None:
+    """The CEL_BREAKERS entry of a rule: keyed by its message, or by the start of a long one."""
+    return next((v for k, v in CEL_BREAKERS.items() if message == k or message.startswith(k)), None)
 
 
 def cel_rules() -> list[str]:
@@ -221,8 +266,9 @@ def cel_rules() -> list[str]:
 
 def cel_cases() -> Iterator[Case]:
     for message in cel_rules():
-        if message in CEL_BREAKERS:
-            edit, where = CEL_BREAKERS[message]
+        breaker = _breaker(message)
+        if breaker is not None:
+            edit, where = breaker
             yield f"cel:{message[:60]}", edit(MAXIMAL), where
 
 
@@ -245,22 +291,51 @@ def test_maximal_sets_every_field():
     assert not UNSET, f"set these in MAXIMAL (or a variant) so their constraints are checked: {UNSET}"
 
 
+@pytest.fixture(scope="module")
+def parity_namespace(kube, crd):
+    """One namespace for the whole table (dry runs create nothing)."""
+    name = "spec-parity"
+    kube.try_call("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    yield name
+    kube.try_call("DELETE", f"/api/v1/namespaces/{name}")
+
+
+# The rules only the operator and `mtp up` check (spec.PYTHON_RULES): the API server admits these.
+PYTHON_ONLY = {
+    "blockSize mtp serve refuses": (_set(MAXIMAL, ["runtime", "blockSize"], 4096), "spec.runtime", None),
+    "unknown mtp serve flag": (_set(MAXIMAL, ["extraArgs"], ["--no_such_flag"]), "spec.extraArgs", None),
+    "hostPath outside the allowed prefixes": (HOST_PATH_VARIANT, "spec.model.volume.hostPath",
+                                              OperatorSettings(allowed_host_path_prefixes=("/srv/models",))),
+}
+
+
+@pytest.mark.parametrize("case", PYTHON_ONLY.values(), ids=PYTHON_ONLY.keys())
+def test_python_only_rules_are_the_operators(kube, parity_namespace, case):
+    spec, field, settings = case
+    code, answer = kube.create_cr(parity_namespace, "python-only", spec, dry_run=True)
+    assert code in (200, 201), f"the API server now checks this too; move it to a CEL rule: {answer}"
+    with pytest.raises(SpecError) as caught:
+        parse_spec(copy.deepcopy(spec), **({"settings": settings} if settings else {}))
+    assert field in _norm(str(caught.value)), caught.value
+
+
 def test_every_cel_rule_has_a_breaking_case():
-    missing = [m for m in cel_rules() if m not in CEL_BREAKERS]
+    missing = [m for m in cel_rules() if _breaker(m) is None]
     assert not missing, f"add a CEL_BREAKERS entry for each new rule: {missing}"
 
 
-@pytest.mark.parametrize("spec", VARIANTS, ids=["maximal", "draftModel", "hostPath", "localhostProfile"])
-def test_maximal_spec_passes_both(kube, namespace, spec):
+@pytest.mark.parametrize("spec", VARIANTS, ids=["maximal", "draftModel", "hostPath", "localhostProfile",
+                                                 "secretKeyRef", "configMapKeyRef", "fieldRef"])
+def test_maximal_spec_passes_both(kube, parity_namespace, spec):
     parse_spec(copy.deepcopy(spec))
-    code, answer = kube.create_cr(namespace, "maximal", spec, dry_run=True)
+    code, answer = kube.create_cr(parity_namespace, "maximal", spec, dry_run=True)
     assert code in (200, 201), answer
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c[0] for c in ALL_CASES])
-def test_server_and_parse_spec_reject_the_same_field(kube, namespace, case):
+def test_server_and_parse_spec_reject_the_same_field(kube, parity_namespace, case):
     _, spec, field = case
-    code, answer = kube.create_cr(namespace, "bad", spec, dry_run=True)
+    code, answer = kube.create_cr(parity_namespace, "bad", spec, dry_run=True)
     fields, message = _server_fields(answer)
     assert code in (400, 422), f"the API server accepted it ({code})"
     named_by_server = any(f == field or f.startswith(field + ".") for f in fields) or \
