@@ -111,6 +111,7 @@ def test_up_once_serves_completions_and_reports_acceptance(models_dir, tmp_path)
     assert 0.0 <= spec["acceptanceRate"] <= 1.0
     assert spec["perPositionAcceptance"] and len(spec["perPositionAcceptance"]) == 1
     assert "acceptance rate" in out
+    assert status["throughput"]["requestsRunning"] == 0  # every request had returned when it was scraped
     minimum = yaml.safe_load(SAMPLE.read_text())["spec"]["speculative"]["minAcceptanceRate"]
     low = spec["acceptanceRate"] < minimum
     assert status["phase"] == ("Degraded" if low else "Running")
