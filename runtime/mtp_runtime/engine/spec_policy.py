@@ -142,8 +142,9 @@ class AdaptivePolicy:
         if cost is None:
             self._costs[key] = _Cost(seconds)
         else:
-            cost.seconds += self.cost_smoothing * (seconds - cost.seconds)
+            # the mean of the first samples (the warm-up's, the first probes'), then an EMA
             cost.samples += 1
+            cost.seconds += max(self.cost_smoothing, 1.0 / cost.samples) * (seconds - cost.seconds)
 
     def end_step(self) -> None:
         """Once per engine step, after its evidence: older counts weigh less."""
