@@ -117,7 +117,6 @@ class AdaptivePolicy:
         self._hits = [0.0] * self.max_k
         self._rng = random.Random(self.seed)
         self._until_probe = self._next_probe_gap()
-        self._current = self.max_k
 
     # evidence ------------------------------------------------------------------
 
@@ -177,11 +176,16 @@ class AdaptivePolicy:
         return self._costs[(k, min(known)[1])].seconds
 
     def scores(self, batch_size: int) -> list[float | None]:
-        """Expected tokens per second at each depth (None: no cost measured yet)."""
+        """Expected tokens per second at each depth (None: no cost measured yet). A step at k does all
+        the work of one at k - 1 and more, so its cost counts as at least that of every smaller k
+        (timing noise would otherwise make a deep, useless k look cheap)."""
         out: list[float | None] = []
+        floor = 0.0
         for k in range(self.max_k + 1):
             c = self.cost(k, batch_size)
-            out.append(None if c is None else self.expected_tokens(k) / c)
+            if c is not None:
+                floor = max(floor, c)
+            out.append(None if c is None else self.expected_tokens(k) / floor)
         return out
 
     # the choice -------------------------------------------------------------------

@@ -63,6 +63,16 @@ def test_chooses_the_depth_with_most_tokens_per_second():
     assert [policy.choose(16) for _ in range(5)] == [1] * 5
 
 
+def test_a_deeper_k_never_counts_as_cheaper_than_a_shallower_one():
+    policy = AdaptivePolicy(3, prior_weight=1e-9, probe_interval=10**6)
+    for k, seconds in enumerate((1.0, 1.1, 0.7, 1.2)):  # a noisy k = 2 timing
+        policy.record_step(k, 1, seconds)
+    for _ in range(20):
+        policy.record_verify(3, 0)  # a draft that never agrees
+    assert policy.scores(1)[2] <= policy.scores(1)[0]
+    assert [policy.choose(1) for _ in range(5)] == [0] * 5
+
+
 def test_a_near_tie_does_not_flip_the_choice():
     policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6), lambda k, b: 1.0 + k)
     for _ in range(20):
@@ -127,7 +137,7 @@ def test_unmeasured_depths_are_tried_first():
     policy = AdaptivePolicy(2, probe_steps=2)
     assert [policy.choose(1) for _ in range(2)] == [0, 0]  # nothing measured yet: k = 0 until it is
     policy.record_step(0, 1, 1.0)
-    assert policy.choose(1) == 1
+    assert [policy.choose(1) for _ in range(2)] == [1, 1]  # a higher k than the current one: two steps
     policy.record_step(1, 1, 1.0)
     assert policy.choose(1) == 2
 
