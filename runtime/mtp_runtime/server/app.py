@@ -85,32 +85,13 @@ async def read_body(request: Request, limit: int) -> bytearray:
             raise APIError(400, f"Content-Length: {declared[:40]!r} is not a byte count", code="invalid_request")
         if int(declared) > limit:
             raise _too_large(f"{int(declared)} bytes", limit)
-        # Filled as it arrives: each chunk is freed at once, nothing is copied twice.
-        body, size = bytearray(int(declared)), 0
-        with memoryview(body) as view:
-            async for chunk in _chunks(request):
-                if size + len(chunk) > len(body):
-                    raise APIError(400, "request body: longer than its Content-Length", code="invalid_request")
-                view[size:size + len(chunk)] = chunk
-                size += len(chunk)
-        if size != len(body):
-            raise APIError(400, f"request body: {size} bytes, its Content-Length says {len(body)}",
-                           code="invalid_request")
-        return body
-    # No length: chunks are joined once at the end (a growing buffer would be copied as it grows).
-    chunks, size = [], 0
+    # Grown as bytes arrive (never ahead of them: a client that stalls holds only what it sent),
+    # each chunk freed once appended.
+    body = bytearray()
     async for chunk in _chunks(request):
-        size += len(chunk)
-        if size > limit:
+        body += chunk
+        if len(body) > limit:
             raise _too_large(f"more than {limit} bytes", limit)
-        chunks.append(chunk)
-    body = bytearray(size)
-    with memoryview(body) as view:
-        start = 0
-        for i, chunk in enumerate(chunks):
-            view[start:start + len(chunk)] = chunk
-            start += len(chunk)
-            chunks[i] = b""  # each chunk is freed once copied
     return body
 
 
