@@ -115,7 +115,7 @@ def parse_body(raw: bytearray, model_cls):
     (its bytes while they are decoded, then its text while it is parsed).
     """
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # RFC 8259: UTF-8; a byte order mark is ignored, as json.loads does
     except UnicodeDecodeError as exc:
         raise APIError(400, f"request body is not valid JSON: not UTF-8 ({exc.reason} at byte {exc.start})",
                        code="invalid_json") from None

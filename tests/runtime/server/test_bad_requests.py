@@ -214,3 +214,8 @@ def test_still_serving_after_everything(client):
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
     health = client.get("/health").json()
     assert health["state"] == "ready" and health["requests_in_flight"] == 0
+
+
+def test_a_byte_order_mark_is_ignored(client):
+    resp = post_raw(client, COMPLETIONS, b'\xef\xbb\xbf{"prompt": "def f(", "max_tokens": 2}')
+    assert resp.status_code == 200, resp.text
