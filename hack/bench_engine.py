@@ -10,6 +10,11 @@ the target ratios. Every k's output is checked token-for-token against k=0.
 Writes results.json, results.md and speedup.png into OUT_DIR.
 
     python hack/bench_engine.py OUT_DIR [--archs deepseek_v3,glm4_moe] [--train-steps N] [--enable-graph]
+                                        [--adaptive K]
+
+With --adaptive K an engine with adaptive speculative depth (k chosen every step in 0..K) runs beside
+the fixed ks; the summary gives its speed-up over k=0 and over the best fixed k at each batch size,
+and the mean k it chose.
 
 With --enable-graph our engine runs in graph mode (decode steps compiled, as
 `mtp serve --enable_graph`), and an eager k=0 runs alongside for reference;
@@ -72,6 +77,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads, the same for every system")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--enable-graph", action="store_true", help="our engine in graph mode (torch.compile)")
+    p.add_argument("--adaptive", type=int, default=0, metavar="K",
+                   help="also run adaptive speculative depth with k in 0..K (0: not)")
     return p.parse_args()
 
 
@@ -90,11 +97,22 @@ def build_model(arch: str, out_dir: Path, train: dict) -> str:
 class EngineSystem:
     """Our engine with k drafts per step (k = 0: plain decoding)."""
 
-    def __init__(self, model_dir: str, k: int, max_model_len: int, max_batch: int, enable_graph: bool = False):
+    def __init__(self, model_dir: str, k: int, max_model_len: int, max_batch: int, enable_graph: bool = False,
+                 adaptive: bool = False):
         self.k = k
         self.llm = LLM(model_dir, num_speculative_tokens=k, max_model_len=max_model_len,
-                       max_seqs_per_batch=max_batch, enable_prefix_cache=False, enable_graph=enable_graph)
-        self.compile_s = self.llm.engine.runner.graph_warm_up_s
+                       max_seqs_per_batch=max_batch, enable_prefix_cache=False, enable_graph=enable_graph,
+                       speculative_adaptive=adaptive)
+        self.compile_s = self.llm.engine.runner.graph_warm_up_s + self.llm.engine.policy_warm_up_s
+        self.chosen: list[int] = []  # each step's k
+        engine_step = self.llm.engine.step
+
+        def step():
+            outs = engine_step()
+            if self.llm.engine.last_step is not None:
+                self.chosen.append(self.llm.engine.last_step.num_speculative_tokens)
+            return outs
+        self.llm.engine.step = step
 
     def run(self, prompts, max_tokens: int):
         return self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
@@ -102,8 +120,12 @@ class EngineSystem:
     def point(self, outs, seconds: float, max_tokens: int) -> dict:
         drafted = sum(o.draft_tokens for o in outs)
         steps = sum(o.verify_steps for o in outs)
-        per_pos = [sum(o.accepted_per_position[j] for o in outs) for j in range(self.k)]
-        return {"acceptance_rate": sum(per_pos) / drafted if drafted else None,
+        # (with adaptive depth a request's list stops at the deepest k it verified)
+        per_pos = [sum(o.accepted_per_position[j] for o in outs if j < len(o.accepted_per_position))
+                   for j in range(self.k)]
+        chosen, self.chosen = self.chosen, []
+        return {"mean_k": sum(chosen) / len(chosen) if chosen else None,
+                "acceptance_rate": sum(per_pos) / drafted if drafted else None,
                 "acceptance_per_position": [n / steps for n in per_pos] if steps else [],
                 "tokens_per_verify_step": (sum(per_pos) + steps) / steps if steps else 1.0,
                 "token_ids": [o.token_ids for o in outs]}
@@ -237,6 +259,10 @@ def summarize(systems: dict, ks, batches) -> dict:
     efficiency = {f"k={k}": {b: speedup[f"k={k}"][b] / systems[f"k={k}"][b]["tokens_per_verify_step"]
                              for b in batches} for k in ks if k}
     lossless = {f"k={k}": all(systems[f"k={k}"][b]["token_ids"] == k0[b]["token_ids"] for b in batches) for k in ks}
+    adaptive = [name for name in systems if name.startswith("adaptive")]
+    for name in adaptive:
+        speedup[name] = {b: speedup_over(systems[name][b], k0[b]) for b in batches}
+        lossless[name] = all(systems[name][b]["token_ids"] == k0[b]["token_ids"] for b in batches)
     b1, b16 = batches[0], batches[-1]
     ratios = {}
     if 1 in ks:
@@ -251,7 +277,15 @@ def summarize(systems: dict, ks, batches) -> dict:
         ratios["k0_over_transformers_batch1"] = speedup_over(k0[b1], tf[b1])
         ratios["k0_over_transformers_by_batch"] = {b: speedup_over(k0[b], tf[b]) for b in batches}
         ratios["transformers_output_matches_k0"] = all(tf[b]["token_ids"] == k0[b]["token_ids"] for b in batches)
+    for name in adaptive:
+        # over the best fixed setting (k = 0 included) at each batch size, each ratio within a repeat
+        ratios[f"{name}_over_best_fixed"] = {b: min(speedup_over(systems[name][b], systems[f"k={k}"][b])
+                                                    for k in ks) for b in batches}
+        ratios[f"{name}_over_k0"] = speedup[name]
     met = {name: ratios[name] >= minimum for name, (_, minimum) in TARGETS.items() if name in ratios}
+    for name in adaptive:
+        met[f"{name}_over_best_fixed"] = min(ratios[f"{name}_over_best_fixed"].values()) >= 0.97
+        met[f"{name}_over_k0"] = min(ratios[f"{name}_over_k0"].values()) >= 1.0
     return {"speedup": speedup, "efficiency": efficiency, "lossless": lossless, "ratios": ratios, "targets_met": met}
 
 
@@ -271,7 +305,7 @@ def profile_step(model_dir: str, prompts, max_tokens: int) -> str:
 
 def markdown(arch: str, systems: dict, summary: dict, ks, batches) -> str:
     lines = [f"## {arch}", "", "| system | batch | tokens/s | ms / output token | speed-up vs k=0 | accepted "
-             "per position | tokens / verify step | efficiency |", "|---|---|---|---|---|---|---|---|"]
+             "per position | tokens / verify step | efficiency | mean k |", "|---|---|---|---|---|---|---|---|---|"]
     for name, points in systems.items():
         for b in batches:
             p = points[b]
@@ -279,13 +313,19 @@ def markdown(arch: str, systems: dict, summary: dict, ks, batches) -> str:
             eff = summary["efficiency"].get(name, {}).get(b)
             acc = ", ".join(f"{a:.2f}" for a in p.get("acceptance_per_position", []))
             tpv = p.get("tokens_per_verify_step")
+            mean_k = p.get("mean_k")
             lines.append(f"| {name} | {b} | {p['tokens_per_s']:.1f} | {p['tpot_ms']:.2f} | "
                          f"{'' if sp is None else f'{sp:.2f}x'} | {acc} | {'' if tpv is None else f'{tpv:.2f}'} | "
-                         f"{'' if eff is None else f'{eff:.2f}'} |")
+                         f"{'' if eff is None else f'{eff:.2f}'} | {'' if mean_k is None else f'{mean_k:.2f}'} |")
     lines += ["", "| target | measured | minimum | met |", "|---|---|---|---|"]
     for name, (desc, minimum) in TARGETS.items():
         if name in summary["ratios"]:
             lines.append(f"| {desc} | {summary['ratios'][name]:.2f} | {minimum} | "
+                         f"{'yes' if summary['targets_met'][name] else 'NO'} |")
+    for name, by_batch in summary["ratios"].items():
+        if name.startswith("adaptive"):
+            lines.append(f"| {name} | " + ", ".join(f"b{b}: {v:.2f}" for b, v in by_batch.items()) + " | "
+                         f"{0.97 if name.endswith('best_fixed') else 1.0} | "
                          f"{'yes' if summary['targets_met'][name] else 'NO'} |")
     lines.append(f"\nlossless (greedy k>0 == k=0): {summary['lossless']}; transformers output == k=0: "
                  f"{summary['ratios'].get('transformers_output_matches_k0')}\n")
@@ -331,6 +371,9 @@ def main() -> None:
             specs["k=0 eager"] = ("engine", (model_dir, 0, max_model_len, max(batches)))
         specs.update({f"k={k}": ("engine", (model_dir, k, max_model_len, max(batches), args.enable_graph))
                       for k in ks})
+        if args.adaptive:
+            specs[f"adaptive K={args.adaptive}"] = ("engine", (model_dir, args.adaptive, max_model_len, max(batches),
+                                                               args.enable_graph, True))
         runners = {name: IsolatedSystem(name, kind, sargs, args.threads) for name, (kind, sargs) in specs.items()}
         try:
             for runner in runners.values():
