@@ -24,6 +24,12 @@ LABEL_DEPLOYMENT = f"{GROUP}/deployment"  # the MtpDeployment's name, for select
 LABEL_TEMPLATE_HASH = f"{GROUP}/template-hash"  # pod template fingerprint (whole-group rolls)
 # Set by the StatefulSet controller (Kubernetes >= 1.28) on every pod: its ordinal.
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
+# Fleet: the group (0..replicas-1) of a StatefulSet and its pods; each group has its own master.
+LABEL_GROUP = f"{GROUP}/group"
+# On a group's StatefulSet: the revision (ControllerRevision hash) of the MtpDeployment spec it runs.
+ANNOTATION_REVISION = f"{GROUP}/revision"
+# On a ControllerRevision of ours: the hash it is named after.
+LABEL_REVISION_HASH = f"{GROUP}/revision-hash"
 # On the two Services only: which one it is, so a ServiceMonitor can select
 # the client Service (rank 0 alone) and never the headless one (every rank).
 LABEL_SERVICE_ROLE = f"{GROUP}/service-role"

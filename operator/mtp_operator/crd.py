@@ -103,6 +103,8 @@ def build_crd() -> dict[str, Any]:
         "required": ["spec"],
     }
     columns = [
+        {"name": "Ready", "type": "string", "jsonPath": ".status.ready",
+         "description": "Ready/total groups (replicas)."},
         {"name": "Nodes", "type": "string", "jsonPath": ".status.nodes", "description": "Ready/total nodes."},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Acceptance", "type": "number", "jsonPath": ".status.speculative.acceptanceRate",
@@ -123,7 +125,11 @@ def build_crd() -> dict[str, Any]:
                 "name": c.VERSION,
                 "served": True,
                 "storage": True,
-                "subresources": {"status": {}},
+                # scale: kubectl scale, HorizontalPodAutoscaler and KEDA act on spec.replicas (groups);
+                # the selector picks the rank-0 pods, the ones that serve the API.
+                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                         "statusReplicasPath": ".status.replicas",
+                                                         "labelSelectorPath": ".status.selector"}},
                 "additionalPrinterColumns": columns,
                 "schema": {"openAPIV3Schema": schema},
             }],

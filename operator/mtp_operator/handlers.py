@@ -26,12 +26,13 @@ from typing import Any, Callable
 import kopf
 
 from mtp_operator import constants as c
-from mtp_operator.indexing import job_summary, owner_key, pod_summary, statefulset_summary
+from mtp_operator.indexing import job_summary, owner_key, pod_summary, revision_summary, statefulset_summary
 from mtp_operator.kube import KubeApi, load_api_client, load_configuration
-from mtp_operator.metrics import MetricsFormatError, interval_stats, read_counters
+from mtp_operator.metrics import MetricsFormatError, combine_stats, interval_stats, read_counters
 from mtp_operator.plan import kubernetes_master_host, plan_deployment
 from mtp_operator.probes import fetch_metrics
 from mtp_operator.reconcile import Cluster, phase_event, reconcile
+from mtp_operator.rollout import Counters
 from mtp_operator.settings import OperatorSettings
 from mtp_operator.spec import SpecError, parse_spec
 from mtp_operator.status import status_changes, utc_now, with_conditions_of
@@ -88,19 +89,28 @@ def build_registry(settings: OperatorSettings, api_client_factory: Callable[[], 
         key = owner_key(body)
         return {key: statefulset_summary(body)} if key else {}
 
+    # Only ours: the StatefulSet controller makes ControllerRevisions too, labelled like our pods.
+    @kopf.index("apps", "v1", "controllerrevisions", id="mtp_revisions",
+                labels={**OURS, c.LABEL_REVISION_HASH: kopf.PRESENT}, registry=registry)
+    def mtp_revisions(body: kopf.Body, **_: Any) -> dict:
+        key = owner_key(body)
+        return {key: revision_summary(body)} if key else {}
+
     def run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, mtp_jobs: kopf.Index,
-            mtp_pods: kopf.Index, mtp_statefulsets: kopf.Index) -> None:
+            mtp_pods: kopf.Index, mtp_statefulsets: kopf.Index, mtp_revisions: kopf.Index) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         with object_lock(body["metadata"]["uid"]):
             cluster = Cluster(state["kube"], settings, list(mtp_jobs.get(key, [])), list(mtp_pods.get(key, [])),
-                              list(mtp_statefulsets.get(key, [])))
+                              list(mtp_statefulsets.get(key, [])), list(mtp_revisions.get(key, [])))
             stats = memo.pop("fresh_stats", None)
+            group_stats = memo.pop("group_stats", None)
             # A handler's body can predate the status this process wrote a moment ago (a timer that
             # waited for the lock, a watch event still in flight): decide from the newest we know.
             observed = dict(body.get("status") or {})
             # Other writers' conditions come from the object as read, never from our memory.
             known = with_conditions_of(memo["status"], observed) if memo.get("status") else observed
-            outcome = reconcile({**body, "status": known}, cluster, stats, time.time())
+            outcome = reconcile({**body, "status": known}, cluster, stats, time.time(), group_stats=group_stats,
+                                counters=memo.get("group_counters"))
             memo["status"] = outcome.status
         old = dict(body.get("status") or {})
         changes = status_changes(old, outcome.status)
@@ -112,26 +122,26 @@ def build_registry(settings: OperatorSettings, api_client_factory: Callable[[], 
 
     @kopf.on.create(*RESOURCE, id="created", backoff=RETRY_BACKOFF, registry=registry)
     def created(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
-        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"], kw["mtp_revisions"])
 
     @kopf.on.update(*RESOURCE, id="updated", backoff=RETRY_BACKOFF, registry=registry)
     def updated(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
-        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"], kw["mtp_revisions"])
 
     @kopf.on.resume(*RESOURCE, id="resumed", backoff=RETRY_BACKOFF, registry=registry)
     def resumed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
-        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"], kw["mtp_revisions"])
 
     @kopf.timer(*RESOURCE, id="level", interval=settings.reconcile_interval, backoff=RETRY_BACKOFF,
                 registry=registry)
     def level(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
-        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+        run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"], kw["mtp_revisions"])
 
     @kopf.timer(*RESOURCE, id="scrape", interval=settings.metrics_interval, initial_delay=settings.metrics_interval,
                 backoff=RETRY_BACKOFF, registry=registry)
     def scrape(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kw: Any) -> None:
         if scrape_rank0(body, memo, kw["mtp_pods"], settings):
-            run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"])
+            run(body, patch, memo, kw["mtp_jobs"], kw["mtp_pods"], kw["mtp_statefulsets"], kw["mtp_revisions"])
 
     return registry
 
@@ -147,31 +157,44 @@ def connection_info(cfg: Any) -> kopf.ConnectionInfo:
 
 
 def scrape_rank0(body: kopf.Body, memo: kopf.Memo, pods: kopf.Index, settings: OperatorSettings) -> bool:
-    """Read rank 0's metrics into memo["fresh_stats"]; False when there is nothing to read."""
-    if (body.get("status") or {}).get("phase") not in ("Running", "Degraded") or not settings.probe_pods:
+    """Read every group's rank-0 metrics: memo["fresh_stats"] (the fleet's figures, weighted by drafted
+    tokens), memo["group_stats"] (per group, this interval) and memo["group_counters"] (per group,
+    cumulative, for rollout analysis). False when there is nothing to read."""
+    if (body.get("status") or {}).get("phase") in (None, "Exporting", "Failed") or not settings.probe_pods:
         return False
     meta = body["metadata"]
     try:
-        spec = parse_spec(body.get("spec"))
+        spec = parse_spec(body.get("spec"), settings=settings)
         plan = plan_deployment(meta["name"], meta["namespace"], spec,
                                master_host=kubernetes_master_host(meta["name"], meta["namespace"]), settings=settings)
     except (SpecError, ValueError):
         return False
-    rank0 = next((p for p in pods.get((meta["namespace"], meta["name"]), [])
-                  if p.get("component") == c.COMPONENT_SERVER and p.get("rank") == 0 and p.get("podIP")
-                  and not p.get("terminating")), None)
-    if rank0 is None:
+    rank0s = {p["group"]: p for p in pods.get((meta["namespace"], meta["name"]), [])
+              if p.get("component") == c.COMPONENT_SERVER and p.get("rank") == 0 and p.get("podIP")
+              and p.get("ready") and not p.get("terminating") and p.get("group") is not None}
+    previous_all = memo.get("counters") if isinstance(memo.get("counters"), dict) else {}
+    group_stats, group_counters, latest = {}, {}, {}
+    for group, rank0 in sorted(rank0s.items()):
+        try:
+            text = fetch_metrics(rank0["podIP"], plan.http_port, plan.metrics_path, settings.metrics_timeout)
+            counters = read_counters(plan.engine, text, time.time())
+        except (OSError, MetricsFormatError) as exc:
+            log.warning("%s/%s: cannot read group %d's rank 0 metrics: %s", meta["namespace"], meta["name"],
+                        group, exc)
+            continue
+        previous = previous_all.get(group)
+        if previous is not None and previous[0] != rank0["uid"]:
+            previous = None  # a new rank-0 pod: its counters start from zero, not from the old pod's
+        group_stats[group] = interval_stats(previous[1] if previous else None, counters,
+                                            spec.speculative.num_speculative_tokens)
+        latest[group] = (rank0["uid"], counters)
+        group_counters[group] = Counters(rank0["uid"], counters.draft_tokens or 0.0, counters.accepted_tokens or 0.0,
+                                         counters.tpot_sum or 0.0, counters.tpot_count or 0.0)
+    if not group_stats:
         return False
-    try:
-        text = fetch_metrics(rank0["podIP"], plan.http_port, plan.metrics_path, settings.metrics_timeout)
-        counters = read_counters(plan.engine, text, time.time())
-    except (OSError, MetricsFormatError) as exc:
-        log.warning("%s/%s: cannot read rank 0 metrics: %s", meta["namespace"], meta["name"], exc)
-        return False
-    previous = memo.get("counters")
-    if previous is not None and previous[0] != rank0["uid"]:
-        previous = None  # a new rank-0 pod: its counters start from zero, not from the old pod's
-    stats = interval_stats(previous[1] if previous else None, counters, spec.speculative.num_speculative_tokens)
-    memo["counters"] = (rank0["uid"], counters)
-    memo["fresh_stats"] = (stats, utc_now())
+    memo["counters"] = latest
+    fleet = combine_stats([group_stats[g] for g in sorted(group_stats)])
+    memo["fresh_stats"] = (fleet, utc_now())
+    memo["group_stats"] = group_stats
+    memo["group_counters"] = group_counters
     return True

@@ -57,10 +57,12 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     if index is None:  # older clusters: the trailing ordinal of the pod name
         match = _ORDINAL.search(meta["name"])
         index = match.group(1) if match else None
+    group = labels.get(c.LABEL_GROUP, "0")  # a pod from before fleets: the one group
     return {
         "name": meta["name"],
         "uid": meta.get("uid", ""),
         "component": labels.get(c.LABEL_COMPONENT),
+        "group": int(group) if str(group).isdigit() else None,
         "rank": int(index) if index is not None and str(index).isdigit() else None,
         "templateHash": labels.get(c.LABEL_TEMPLATE_HASH),
         "jobName": next((labels[k] for k in JOB_NAME_LABELS if k in labels), None),
@@ -74,7 +76,17 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def statefulset_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body["metadata"]
-    return {"name": meta["name"], "templateHash": (meta.get("annotations") or {}).get(c.ANNOTATION_TEMPLATE_HASH)}
+    annotations = meta.get("annotations") or {}
+    group = (meta.get("labels") or {}).get(c.LABEL_GROUP, "0")
+    return {"name": meta["name"], "templateHash": annotations.get(c.ANNOTATION_TEMPLATE_HASH),
+            "group": int(group) if str(group).isdigit() else None, "revision": annotations.get(c.ANNOTATION_REVISION)}
+
+
+def revision_summary(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A ControllerRevision of ours: its hash, number and the spec it holds."""
+    meta = body["metadata"]
+    return {"name": meta["name"], "hash": (meta.get("labels") or {}).get(c.LABEL_REVISION_HASH),
+            "revision": body.get("revision", 0), "spec": (body.get("data") or {}).get("spec")}
 
 
 def export_observation(job_name: str, jobs: Iterable[Mapping[str, Any]],

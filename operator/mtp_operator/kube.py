@@ -7,14 +7,18 @@ the official client's standard method name (verb + resource), e.g.
 Calls made here:
     batch/v1 jobs           create_namespaced_job
     v1 services             create_namespaced_service, patch_namespaced_service
-    apps/v1 statefulsets    create_namespaced_stateful_set, patch_namespaced_stateful_set
+    apps/v1 statefulsets    create_namespaced_stateful_set, patch_namespaced_stateful_set,
+                            delete_namespaced_stateful_set      (scaling a fleet down)
+    apps/v1 controllerrevisions  create_namespaced_controller_revision,
+                            delete_namespaced_controller_revision   (revision history)
     v1 pods                 delete_collection_namespaced_pod   (whole-group restarts and rolls)
     v1 events               create_namespaced_event            (phase changes)
 
 kopf's own needs (not calls in this file, but the same RBAC):
     mtpdeployments.mtp.inference.dev       list, watch, patch (annotations: progress, last-handled spec)
     mtpdeployments/status                  patch (kopf writes `status` from handler patches)
-    jobs.batch, pods, statefulsets.apps    list, watch (kopf indices feed the reconcile)
+    jobs.batch, pods, statefulsets.apps, controllerrevisions.apps
+                                           list, watch (kopf indices feed the reconcile)
     events                                 create (kopf's own error events)
     API discovery (GET /api, /apis/...)    non-resource URLs, granted to every user by default
 kopf's namespace and CRD scanning is disabled (handlers.py), so it needs no
@@ -97,6 +101,31 @@ class KubeApi:
             # Merge patch: replicas, template and annotations are ours; selector is immutable and unchanged.
             self.apps.patch_namespaced_stateful_set(body["metadata"]["name"], namespace, body,
                                                     _content_type=MERGE_PATCH, **CALL)
+
+    def delete_statefulset(self, namespace: str, name: str) -> None:
+        """Remove a group (its pods go with it, through the garbage collector); gone already is fine."""
+        try:
+            self.apps.delete_namespaced_stateful_set(name, namespace, propagation_policy="Background", **CALL)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def create_controller_revision(self, namespace: str, body: dict[str, Any]) -> bool:
+        """True if created; False if it exists already (idempotent, like create_job)."""
+        try:
+            self.apps.create_namespaced_controller_revision(namespace, body, **CALL)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    def delete_controller_revision(self, namespace: str, name: str) -> None:
+        try:
+            self.apps.delete_namespaced_controller_revision(name, namespace, **CALL)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def delete_pods(self, namespace: str, label_selector: str) -> None:
         """Delete every matching pod at once (the StatefulSet recreates them together)."""

@@ -105,7 +105,29 @@ def _service_ports(plan: DeploymentPlan) -> list[dict[str, Any]]:
 
 
 def server_selector(plan: DeploymentPlan) -> dict[str, str]:
+    """Every rank pod of every group (the headless Service)."""
     return {**c.selector_labels(plan.name), c.LABEL_COMPONENT: c.COMPONENT_SERVER}
+
+
+def group_selector(plan: DeploymentPlan, group: int) -> dict[str, str]:
+    """A group's StatefulSet selector. Group 0's is the one-group selector, unchanged (a selector is
+    immutable); it also matches other groups' pods, which the StatefulSet controller never adopts
+    (their names are not its ordinals) and our own deletes exclude (`group_pods_selector`)."""
+    return server_selector(plan) if group == 0 else {**server_selector(plan), c.LABEL_GROUP: str(group)}
+
+
+def group_pods_selector(plan: DeploymentPlan, group: int, other_groups: list[int],
+                        exclude: Mapping[str, str] | None = None) -> str:
+    """A label selector for exactly the pods of `group` (group 0's older pods carry no group label)."""
+    parts = [f"{k}={v}" for k, v in server_selector(plan).items()]
+    if group == 0:
+        others = sorted(g for g in other_groups if g != 0)
+        if others:
+            parts.append(f"{c.LABEL_GROUP} notin ({','.join(str(g) for g in others)})")
+    else:
+        parts.append(f"{c.LABEL_GROUP}={group}")
+    parts += [f"{k}!={v}" for k, v in (exclude or {}).items()]
+    return ",".join(parts)
 
 
 def _service_metadata(name: str, plan: DeploymentPlan, owner: Mapping[str, Any], role: str) -> dict[str, Any]:
@@ -161,8 +183,11 @@ def _server_container(plan: DeploymentPlan, spec: MtpDeploymentSpec) -> dict[str
 
 
 def build_statefulset(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: Mapping[str, Any],
-                      settings: OperatorSettings) -> dict[str, Any]:
-    labels = {**c.child_labels(plan.name, c.COMPONENT_SERVER), c.LABEL_TEMPLATE_HASH: plan.template_hash}
+                      settings: OperatorSettings, group: int = 0, revision: str = "") -> dict[str, Any]:
+    """Group `group`'s StatefulSet, from the plan of the revision it runs (`plan` was made with that
+    group's master host)."""
+    labels = {**c.child_labels(plan.name, c.COMPONENT_SERVER), c.LABEL_TEMPLATE_HASH: plan.template_hash,
+              c.LABEL_GROUP: str(group)}
     volumes = [_model_volume(spec, read_only=True)]
     if plan.accelerator_kind != "cpu":
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
@@ -174,16 +199,20 @@ def build_statefulset(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: Mapp
                                 **_scheduling(spec)}
     if settings.image_pull_secrets:
         pod_spec["imagePullSecrets"] = _pull_secrets(settings)
+    annotations = {c.ANNOTATION_TEMPLATE_HASH: plan.template_hash}
+    if revision:
+        annotations[c.ANNOTATION_REVISION] = revision
+    metadata = _metadata(statefulset_name(plan.name, group), plan, owner, c.COMPONENT_SERVER, annotations)
+    metadata["labels"][c.LABEL_GROUP] = str(group)
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": _metadata(statefulset_name(plan.name), plan, owner, c.COMPONENT_SERVER,
-                              {c.ANNOTATION_TEMPLATE_HASH: plan.template_hash}),
+        "metadata": metadata,
         "spec": {
             "replicas": plan.nnodes,
             "serviceName": headless_service_name(plan.name),
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "OnDelete"},
-            "selector": {"matchLabels": server_selector(plan)},
+            "selector": {"matchLabels": group_selector(plan, group)},
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }

@@ -193,3 +193,45 @@ def interval_stats(previous: SpecDecodeCounters | None, current: SpecDecodeCount
         mean_speculative_tokens=_ratio(_delta(p.speculative_tokens_sum, current.speculative_tokens_sum),
                                        _delta(p.speculative_tokens_count, current.speculative_tokens_count)),
     )
+
+
+def combine_stats(groups: list[SpecDecodeStats]) -> SpecDecodeStats | None:
+    """A fleet's figures from its groups' rank 0s: rates weighted by drafted tokens (acceptance,
+    accepted per step, per position, TPOT, TTFT, k), throughputs and queue lengths summed."""
+    if not groups:
+        return None
+    if len(groups) == 1:
+        return groups[0]
+    weights = [g.draft_tokens for g in groups]
+
+    def weighted(values: list[float | None]) -> float | None:
+        pairs = [(v, w) for v, w in zip(values, weights) if v is not None]
+        total = sum(w for _, w in pairs)
+        if not pairs:
+            return None
+        if total <= 0:
+            return sum(v for v, _ in pairs) / len(pairs)
+        return sum(v * w for v, w in pairs) / total
+
+    def summed(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return sum(present) if present else None
+
+    depth = max(len(g.per_position_acceptance) for g in groups)
+    positions = [weighted([g.per_position_acceptance[i] if i < len(g.per_position_acceptance) else None
+                           for g in groups]) for i in range(depth)]
+    return SpecDecodeStats(
+        acceptance_rate=weighted([g.acceptance_rate for g in groups]),
+        mean_accepted_tokens_per_step=weighted([g.mean_accepted_tokens_per_step for g in groups]),
+        per_position_acceptance=[round(p, 6) for p in positions if p is not None],
+        draft_tokens=sum(weights),
+        interval_seconds=weighted([g.interval_seconds for g in groups]),
+        generation_tokens_per_second=summed([g.generation_tokens_per_second for g in groups]),
+        prompt_tokens_per_second=summed([g.prompt_tokens_per_second for g in groups]),
+        time_to_first_token_seconds=weighted([g.time_to_first_token_seconds for g in groups]),
+        time_per_output_token_seconds=weighted([g.time_per_output_token_seconds for g in groups]),
+        requests_running=summed([g.requests_running for g in groups]),
+        requests_waiting=summed([g.requests_waiting for g in groups]),
+        kv_cache_usage_ratio=weighted([g.kv_cache_usage_ratio for g in groups]),
+        mean_speculative_tokens=weighted([g.mean_speculative_tokens for g in groups]),
+    )

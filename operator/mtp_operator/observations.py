@@ -35,6 +35,16 @@ class RankObservation:
 
 
 @dataclass(frozen=True)
+class GroupObservation:
+    """One group of a fleet (spec.replicas groups of nnodes ranks)."""
+
+    index: int
+    revision: str | None  # the revision its StatefulSet runs
+    nnodes: int
+    ranks: list[RankObservation] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Observations:
     generation: int
     nnodes: int
@@ -48,3 +58,4 @@ class Observations:
     stats_time: str | None = None  # RFC 3339 time of the scrape behind `stats`
     failure: tuple[str, str] | None = None  # (reason, message): the spec cannot run at all
     gang: dict | None = None  # GangStatus dict from evaluate_gang
+    groups: list[GroupObservation] | None = None  # a fleet (Kubernetes); None: one group, `ranks`

@@ -94,8 +94,9 @@ class DeploymentPlan:
     template_hash: str = field(default="")
 
 
-def statefulset_name(name: str) -> str:
-    return name
+def statefulset_name(name: str, group: int = 0) -> str:
+    """Group 0 keeps the one-group name (an MtpDeployment from before fleets keeps its pods)."""
+    return name if group == 0 else f"{name}-g{group}"
 
 
 def headless_service_name(name: str) -> str:
@@ -106,9 +107,9 @@ def client_service_name(name: str) -> str:
     return name
 
 
-def kubernetes_master_host(name: str, namespace: str) -> str:
-    """Pod 0's stable DNS name inside the headless Service."""
-    return f"{statefulset_name(name)}-0.{headless_service_name(name)}.{namespace}.svc"
+def kubernetes_master_host(name: str, namespace: str, group: int = 0) -> str:
+    """The group's pod 0: its stable DNS name inside the (shared) headless Service."""
+    return f"{statefulset_name(name, group)}-0.{headless_service_name(name)}.{namespace}.svc"
 
 
 def accelerator_kind(spec: MtpDeploymentSpec) -> str:

@@ -1,16 +1,20 @@
-"""One level-based reconcile of an MtpDeployment on Kubernetes.
+"""One level-based reconcile of an MtpDeployment (a fleet of groups) on Kubernetes.
 
-    outcome = reconcile(body, Cluster(kube, settings, jobs, pods, statefulsets), stats, now)
+    outcome = reconcile(body, Cluster(kube, settings, jobs, pods, statefulsets, revisions), stats, now,
+                        group_stats=..., counters=...)
     patch.status.update(status_changes(body["status"], outcome.status)); post outcome.events
 
-Flow: validate and plan -> export Job (create once; its name is derived from
-the export settings, so a restarted operator finds it instead of making a
-second one, and a finished Job of the same settings is reused; if that Job
-was deleted, the new one's `mtp export` finds the output's mtp-export.json
-up to date and exits at once) -> when the draft is ready, create/patch the Services and the
-StatefulSet (only when what we want differs from what we last applied) ->
-roll the whole group when the template hash changed -> gang restart when a
-rank restarted alone -> probe /health -> compute status.
+Flow: validate -> the group template's revision (a ControllerRevision, created once) -> export Job
+of the newest revision (create once; its name is derived from the export settings, so a restarted
+operator finds it instead of making a second one) -> when its draft is ready, the rollout decision
+(mtp_operator.rollout, pure) says which revision each of the `replicas` groups runs -> each group's
+StatefulSet is built from the template of its revision, and applied only when what we want
+differs from what we last applied; groups beyond the decision are deleted -> per group: roll the
+whole group when its template hash changed, gang restart when one of its ranks restarted alone
+(mtp_operator.gang; budget and backoff per group) -> probe /health -> status.
+
+Group 0 keeps the one-group names (StatefulSet `<name>`, selector without the group label), so an
+MtpDeployment made before fleets keeps its pods across the operator upgrade.
 """
 
 from __future__ import annotations
@@ -25,16 +29,20 @@ from mtp_operator import constants as c
 from mtp_operator.engines import PlanError, serves_http
 from mtp_operator.gang import empty_record, evaluate_gang
 from mtp_operator.indexing import export_observation, rank_observations
-from mtp_operator.kube import KubeApi, selector
+from mtp_operator.kube import KubeApi
 from mtp_operator.manifests import (build_client_service, build_export_job, build_headless_service,
-                                    build_statefulset, server_selector)
+                                    build_statefulset, group_pods_selector)
 from mtp_operator.metrics import SpecDecodeStats
-from mtp_operator.observations import Observations
-from mtp_operator.plan import client_service_name, kubernetes_master_host, plan_deployment
+from mtp_operator.observations import GroupObservation, Observations, RankObservation
+from mtp_operator.plan import (DeploymentPlan, client_service_name, kubernetes_master_host, plan_deployment,
+                               statefulset_name)
 from mtp_operator.probes import probe_health
+from mtp_operator.revisions import (build_controller_revision, group_template, revision_hash, revision_name,
+                                    stale_revisions)
+from mtp_operator.rollout import Counters, Figures, GroupView, RolloutPolicy, decide_rollout
 from mtp_operator.settings import OperatorSettings
-from mtp_operator.spec import SpecError, parse_spec
-from mtp_operator.status import compute_status
+from mtp_operator.spec import MtpDeploymentSpec, SpecError, parse_spec
+from mtp_operator.status import compute_status, group_ready_ranks, utc_now
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,7 @@ class Cluster:
     jobs: list[dict] = field(default_factory=list)
     pods: list[dict] = field(default_factory=list)
     statefulsets: list[dict] = field(default_factory=list)
+    revisions: list[dict] = field(default_factory=list)  # ControllerRevision summaries (indexing.py)
 
 
 @dataclass
@@ -68,19 +77,79 @@ def _failed(body: Mapping[str, Any], reason: str, message: str) -> Outcome:
     return Outcome(compute_status(body.get("status"), obs, min_acceptance_rate=None))
 
 
+def rank0_selector(name: str) -> str:
+    """The scale subresource's selector: every group's rank 0 (the pods that serve the API)."""
+    labels = {**c.selector_labels(name), c.LABEL_COMPONENT: c.COMPONENT_SERVER, c.LABEL_POD_INDEX: "0"}
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def _baseline(status: Mapping[str, Any]) -> Figures | None:
+    """The fleet's last figures: what a rollout compares a lone canary with."""
+    speculative, latency = status.get("speculative") or {}, status.get("latency") or {}
+    if speculative.get("acceptanceRate") is None and latency.get("timePerOutputTokenSeconds") is None:
+        return None
+    return Figures(float(speculative.get("draftTokens") or 0), speculative.get("acceptanceRate"),
+                   latency.get("timePerOutputTokenSeconds"))
+
+
+class _Revisions:
+    """Revision hash -> parsed spec (from the ControllerRevisions), with per-group plans."""
+
+    def __init__(self, name: str, namespace: str, settings: OperatorSettings, summaries: list[dict]):
+        self.name, self.namespace, self.settings = name, namespace, settings
+        self.summaries = {r["hash"]: r for r in summaries if r.get("hash")}
+        self.specs: dict[str, MtpDeploymentSpec] = {}
+
+    def add(self, rev: str, spec: MtpDeploymentSpec, summary: dict) -> None:
+        self.specs[rev] = spec
+        self.summaries[rev] = summary
+
+    def spec(self, rev: str) -> MtpDeploymentSpec | None:
+        if rev not in self.specs:
+            summary = self.summaries.get(rev)
+            if summary is None or summary.get("spec") is None:
+                return None
+            try:
+                self.specs[rev] = parse_spec(summary["spec"], settings=self.settings)
+            except SpecError as exc:  # an older revision this operator no longer accepts
+                log.warning("%s/%s: revision %s no longer validates: %s", self.namespace, self.name, rev, exc)
+                return None
+        return self.specs[rev]
+
+    def plan(self, rev: str, group: int) -> DeploymentPlan | None:
+        spec = self.spec(rev)
+        if spec is None:
+            return None
+        return plan_deployment(self.name, self.namespace, spec, settings=self.settings,
+                               master_host=kubernetes_master_host(self.name, self.namespace, group))
+
+
 def reconcile(body: Mapping[str, Any], cluster: Cluster, stats: tuple[SpecDecodeStats, str] | None,
-              now: float) -> Outcome:
+              now: float, group_stats: Mapping[int, SpecDecodeStats] | None = None,
+              counters: Mapping[int, Counters] | None = None) -> Outcome:
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     old_status = dict(body.get("status") or {})
+    kube, settings = cluster.kube, cluster.settings
     try:
-        spec = parse_spec(body.get("spec"), settings=cluster.settings)  # with the rules the API server lacks
+        spec = parse_spec(body.get("spec"), settings=settings)
         plan = plan_deployment(name, namespace, spec, master_host=kubernetes_master_host(name, namespace),
-                               settings=cluster.settings)
+                               settings=settings)
     except (SpecError, PlanError) as exc:
         return _failed(body, "InvalidSpec", str(exc))
-    kube, settings = cluster.kube, cluster.settings
     events: list[tuple[str, str, str]] = []
+
+    # The group template's revision: a ControllerRevision holds it for every later rollback.
+    template = group_template(spec)
+    update = revision_hash(template)
+    revisions = _Revisions(name, namespace, settings, cluster.revisions)
+    if update not in revisions.summaries:
+        number = max([r.get("revision", 0) for r in cluster.revisions] + [0]) + 1
+        kube.create_controller_revision(namespace, build_controller_revision(body, update, template, number))
+        revisions.add(update, spec, {"name": revision_name(name, update), "hash": update, "revision": number,
+                                     "spec": template})
+    else:
+        revisions.specs[update] = spec
 
     export = None
     if plan.export is not None:
@@ -89,53 +158,151 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, stats: tuple[SpecDecode
             events.append(("Normal", "ExportStarted", f"created export job {plan.export.job_name}"))
     draft_ready = export is None or export.state == "succeeded"
 
-    applied = old_status.get("appliedHash")
     server_pods = [p for p in cluster.pods if p.get("component") == c.COMPONENT_SERVER]
-    if draft_ready:
-        desired = [build_headless_service(plan, body), build_client_service(plan, spec, body),
-                   build_statefulset(plan, spec, body, settings)]
+    sets = {s["group"]: s for s in cluster.statefulsets if s.get("group") is not None}
+    old_groups = {g.get("index"): g for g in old_status.get("groups", [])}
+    # New, or made before fleets (no currentRevision): the group(s) run the spec as it is now.
+    current = old_status.get("currentRevision") or update
+    group_revision = {g: (s.get("revision") or old_groups.get(g, {}).get("revision") or current)
+                      for g, s in sets.items()}
+
+    def observe(group: int, rev: str | None) -> tuple[DeploymentPlan | None, list[RankObservation]]:
+        group_plan = revisions.plan(rev, group) if rev else None
+        pods = [p for p in server_pods if p.get("group") == group]
+        ranks = rank_observations(pods, group_plan.template_hash if group_plan else "")
+        if settings.probe_pods and group_plan is not None:
+            ips = {p["rank"]: p["podIP"] for p in pods if p["templateHash"] == group_plan.template_hash}
+            probed = []
+            for rank in ranks:
+                if rank.ready and rank.current and not rank.terminating and serves_http(group_plan.engine, rank.rank) \
+                        and ips.get(rank.rank):
+                    result = probe_health(ips[rank.rank], group_plan.http_port, group_plan.health_path,
+                                          settings.health_timeout)
+                    rank = replace(rank, healthy=result.healthy, health_detail=result.detail)
+                probed.append(rank)
+            ranks = probed
+        return group_plan, ranks
+
+    observed = {g: observe(g, rev) for g, rev in group_revision.items()}
+    views = []
+    for g, (group_plan, ranks) in observed.items():
+        ready_count, _ = group_ready_ranks(group_plan.nnodes if group_plan else 0, ranks)
+        ready = group_plan is not None and ready_count == group_plan.nnodes
+        views.append(GroupView(g, group_revision[g], ready, (counters or {}).get(g)))
+
+    # A new revision waits for its draft: until the export finished, nothing rolls to it.
+    target_update = update if draft_ready else current
+    decision = decide_rollout(views, replicas=spec.replicas, policy=RolloutPolicy.from_spec(spec.rollout),
+                              current=current, update=target_update, state=old_status.get("rollout"),
+                              baseline=_baseline(old_status), now=now)
+    events += decision.events
+
+    applied = old_status.get("appliedHash")
+    group_plans: dict[int, tuple[str, DeploymentPlan, MtpDeploymentSpec]] = {}
+    if draft_ready or sets:
+        desired = [build_headless_service(plan, body), build_client_service(plan, spec, body)]
+        for g, rev in sorted(decision.targets.items()):
+            group_plan, group_spec = revisions.plan(rev, g), revisions.spec(rev)
+            if group_plan is None or group_spec is None:
+                events.append(("Warning", "RevisionMissing", f"group {g}: revision {rev} is gone; keeping it as is"))
+                continue
+            group_plans[g] = (rev, group_plan, group_spec)
+            desired.append(build_statefulset(group_plan, group_spec, body, settings, group=g, revision=rev))
         digest = _digest(desired)
-        if digest != applied or not any(s["name"] == plan.name for s in cluster.statefulsets):
+        missing = any(g not in sets for g in group_plans)
+        if digest != applied or missing:
             for service in desired[:2]:
                 kube.apply_service(namespace, service)
-            kube.apply_statefulset(namespace, desired[2])
+            for statefulset in desired[2:]:
+                kube.apply_statefulset(namespace, statefulset)
             applied = digest
-        if any(p["templateHash"] != plan.template_hash and not p["terminating"] for p in server_pods):
+        for g, s in sets.items():
+            if g not in decision.targets:
+                kube.delete_statefulset(namespace, s["name"])
+                events.append(("Normal", "GroupRemoved", f"group {g} ({s['name']}) removed"))
+
+    # Per group: a roll when its template changed, a gang restart when a rank restarted alone.
+    group_entries, group_observations = [], []
+    other_groups = sorted(set(sets) | set(group_plans))
+    restarting: set[int] = set()
+    for g in sorted(group_plans):
+        rev, group_plan, _ = group_plans[g]
+        pods = [p for p in server_pods if p.get("group") == g]
+        if any(p["templateHash"] != group_plan.template_hash and not p["terminating"] for p in pods):
             # OnDelete StatefulSet: delete the whole old group at once; never rank by rank.
-            kube.delete_pods(namespace, selector(server_selector(plan), {c.LABEL_TEMPLATE_HASH: plan.template_hash}))
-            events.append(("Normal", "GroupRolling", f"restarting all ranks on template {plan.template_hash}"))
-
-    ranks = rank_observations(server_pods, plan.template_hash)
-    record = old_status.get("gang") if old_status.get("templateHash") == plan.template_hash else empty_record()
-    decision = evaluate_gang(record, ranks, nnodes=plan.nnodes, now=now,
+            kube.delete_pods(namespace, group_pods_selector(group_plan, g, other_groups,
+                                                            {c.LABEL_TEMPLATE_HASH: group_plan.template_hash}))
+            events.append(("Normal", "GroupRolling", f"group {g}: restarting all ranks on revision {rev} "
+                           f"(template {group_plan.template_hash})"))
+        seen_plan, ranks = observed.get(g, (None, []))
+        if seen_plan is None or seen_plan.template_hash != group_plan.template_hash:
+            ranks = rank_observations(pods, group_plan.template_hash)  # moving to another revision now
+        old_entry = old_groups.get(g, {})
+        legacy = g == 0 and not old_groups and old_status.get("templateHash") == group_plan.template_hash
+        record = (old_entry.get("gang") if old_entry.get("templateHash") == group_plan.template_hash
+                  else (old_status.get("gang") if legacy else None)) or empty_record()
+        gang = evaluate_gang(record, ranks, nnodes=group_plan.nnodes, now=now,
                              budget=settings.gang_restart_budget, backoff=settings.gang_restart_backoff)
-    if decision.restart:
-        kube.delete_pods(namespace, selector(server_selector(plan)))
-        events.append(("Warning", "GangRestart", decision.message))
-    elif decision.exhausted and old_status.get("gang", {}).get("reason") != decision.reason:
-        events.append(("Warning", decision.reason, decision.message))
+        if gang.restart:
+            kube.delete_pods(namespace, group_pods_selector(group_plan, g, other_groups))
+            events.append(("Warning", "GangRestart", f"group {g}: {gang.message}"))
+            restarting.add(g)
+        elif gang.exhausted and (old_entry.get("gang") or {}).get("reason") != gang.reason:
+            events.append(("Warning", gang.reason, f"group {g}: {gang.message}"))
+        ranks = [] if gang.restart else ranks
+        ready_nodes, _ = group_ready_ranks(group_plan.nnodes, ranks)
+        figures = (group_stats or {}).get(g)
+        phase = "Running" if ready_nodes == group_plan.nnodes else ("Updating" if sets.get(g, {}).get("revision")
+                                                                     not in (None, rev) else "Starting")
+        entry = {"index": g, "revision": rev, "statefulSet": statefulset_name(name, g),
+                 "readyNodes": ready_nodes, "phase": phase, "restarts": gang.record.get("restarts", 0),
+                 "templateHash": group_plan.template_hash, "gang": gang.record}
+        if figures is not None:
+            entry.update({k: v for k, v in (("acceptanceRate", figures.acceptance_rate),
+                                             ("timePerOutputTokenSeconds", figures.time_per_output_token_seconds),
+                                             ("draftTokens", int(figures.draft_tokens))) if v is not None})
+        else:
+            entry.update({k: old_entry[k] for k in ("acceptanceRate", "timePerOutputTokenSeconds", "draftTokens")
+                          if k in old_entry and old_entry.get("revision") == rev})
+        group_entries.append(entry)
+        group_observations.append(GroupObservation(g, rev, group_plan.nnodes, ranks))
 
-    if settings.probe_pods and draft_ready and not decision.restart:
-        ips = {p["rank"]: p["podIP"] for p in server_pods if p["templateHash"] == plan.template_hash}
-        probed = []
-        for rank in ranks:
-            if rank.ready and rank.current and not rank.terminating and serves_http(plan.engine, rank.rank) \
-                    and ips.get(rank.rank):
-                result = probe_health(ips[rank.rank], plan.http_port, plan.health_path, settings.health_timeout)
-                rank = replace(rank, healthy=result.healthy, health_detail=result.detail)
-            probed.append(rank)
-        ranks = probed
-
+    # The group in the worst whole-group-restart state speaks for the fleet (Failed when its budget is spent).
+    worst = next((e["gang"] for reason in ("GangRestartBudgetExhausted", "GangRestartBackoff")
+                  for e in group_entries if (e.get("gang") or {}).get("reason") == reason), None)
     observations = Observations(
         generation=meta.get("generation", 0), nnodes=plan.nnodes, draft_model_path=plan.draft_model_path,
         master_address=plan.master_address,
         endpoint=f"http://{client_service_name(name)}.{namespace}.svc:{plan.http_port}",
-        template_hash=plan.template_hash, export=export, ranks=[] if decision.restart else ranks,
-        stats=stats[0] if stats else None, stats_time=stats[1] if stats else None, gang=decision.record,
+        template_hash=plan.template_hash, export=export, stats=stats[0] if stats else None,
+        stats_time=stats[1] if stats else None, groups=group_observations, gang=worst,
     )
-    status = compute_status(old_status, observations, min_acceptance_rate=spec.speculative.min_acceptance_rate)
+    status = compute_status({k: v for k, v in old_status.items() if k != "gang"}, observations,
+                            min_acceptance_rate=spec.speculative.min_acceptance_rate)
+    status.pop("gang", None)  # per group now (status.groups[].gang)
+    ready_groups = sum(1 for e in group_entries if e["phase"] == "Running")
+    status.update({
+        "replicas": len(group_entries), "readyReplicas": ready_groups,
+        "updatedReplicas": sum(1 for e in group_entries if e["revision"] == update),
+        "ready": f"{ready_groups}/{spec.replicas}", "selector": rank0_selector(name),
+        "currentRevision": decision.current, "updateRevision": update, "groups": group_entries,
+    })
+    if decision.state:
+        status["rollout"] = decision.state
+    if status["phase"] not in ("Failed", "Exporting") and (decision.progressing[0] or
+                                                           decision.progressing[1] == "CanaryFailed"):
+        for cond in status["conditions"]:
+            if cond["type"] == c.CONDITION_PROGRESSING:
+                changed = cond["status"] != str(decision.progressing[0])
+                cond.update({"status": str(decision.progressing[0]), "reason": decision.progressing[1],
+                             "message": decision.progressing[2]})
+                if changed:
+                    cond["lastTransitionTime"] = utc_now()
     if applied:
         status["appliedHash"] = applied
+    in_use = {update, decision.current} | set(decision.targets.values()) | set(group_revision.values())
+    for stale in stale_revisions(cluster.revisions, in_use, settings.revision_history):
+        kube.delete_controller_revision(namespace, stale)
     return Outcome(status, events)
 
 

@@ -16,6 +16,7 @@ MTP_OPERATOR_<UPPER_SNAKE>). Every setting, its variable and its default:
     MTP_OPERATOR_IMAGE_PULL_SECRETS   ""      comma-separated secret names for runtime/export pods
     MTP_OPERATOR_HEALTH_PORT          8080    the operator's own liveness endpoint (/healthz)
     MTP_OPERATOR_PROBE_PODS           true    GET /health and /metrics from pods (off: readiness only)
+    MTP_OPERATOR_REVISION_HISTORY     10      ControllerRevisions kept per MtpDeployment (besides those in use)
     MTP_OPERATOR_ALLOWED_HOST_PATH_PREFIXES  ""  comma-separated node directories; when set, an
                                       MtpDeployment's hostPath must lie under one of them (system
                                       directories such as /etc or /var/lib/kubelet are refused always)
@@ -53,6 +54,7 @@ class OperatorSettings:
     image_pull_secrets: tuple[str, ...] = ()
     health_port: int = 8080
     probe_pods: bool = True
+    revision_history: int = 10
     allowed_host_path_prefixes: tuple[str, ...] = ()
     _positive: tuple[str, ...] = field(default=("reconcile_interval", "metrics_interval", "health_timeout",
                                                  "metrics_timeout"), repr=False)
@@ -61,6 +63,8 @@ class OperatorSettings:
         for name in self._positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")
+        if self.revision_history < 0:
+            raise SettingsError(f"{PREFIX}REVISION_HISTORY must be >= 0, got {self.revision_history}")
         if self.gang_restart_budget < 0 or self.gang_restart_backoff < 0:
             raise SettingsError(f"{PREFIX}GANG_RESTART_BUDGET and _BACKOFF must be >= 0")
         if not 0 < self.health_port < 65536:

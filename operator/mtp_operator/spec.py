@@ -442,11 +442,45 @@ def _owned_flag(arg: str) -> bool:
     return dashes in (1, 2) and name in OPERATOR_FLAGS
 
 
+class CanarySpec(ApiModel):
+    """How a new revision is judged on its first groups before the rest follow (mtp_operator.rollout)."""
+
+    groups: int = Field(1, ge=1, le=1000, description="Groups that take a new revision first.")
+    analysis_seconds: int = Field(
+        60, ge=0, le=86400, description="How long the canary groups' rank-0 figures are compared once Ready.")
+    min_acceptance_ratio: float = Field(
+        0.9, ge=0, le=10, description="Fail unless new acceptance rate / old acceptance rate >= this.")
+    max_tpot_ratio: float = Field(
+        1.2, gt=0, le=100, description="Fail unless new time per output token / old <= this.")
+    min_draft_tokens: int = Field(
+        100, ge=0, le=1_000_000_000, description="Drafted tokens the canary groups need before they are judged.")
+
+
+class RolloutSpec(ApiModel):
+    """A template change updates whole groups (never single ranks): canaries first, then the rest."""
+
+    max_unavailable: int = Field(1, ge=0, le=1000, description="Groups that may be down for an update at once.")
+    max_surge: int = Field(
+        0, ge=0, le=1000, description="Extra groups on the new revision during a rollout (the canaries, then "
+        "spare capacity while old groups are updated).")
+    paused: bool = Field(False, description="Make no further rollout step until unpaused.")
+    canary: CanarySpec = Field(default_factory=CanarySpec)
+    cel_rules = (
+        CelRule("self.maxUnavailable + self.maxSurge >= 1",
+                "rollout.maxUnavailable and rollout.maxSurge cannot both be 0 (no group could be updated)",
+                lambda d: d["maxUnavailable"] + d["maxSurge"] >= 1),
+    )
+
+
 class MtpDeploymentSpec(ApiModel):
     model: ModelSource
     draft_model: DraftModel | None = Field(None, description="Use this draft; else set export.")
     export: ExportSpec | None = Field(None, description="Export the draft from model; else set draftModel.")
     nnodes: int = Field(1, ge=1, le=128, description="Nodes (pods, ranks) in the group.")
+    replicas: int = Field(
+        1, ge=0, le=1000, description="Groups of nnodes ranks, each with its own master (the scale "
+        "subresource: kubectl scale, HPA, KEDA). 0 keeps the export and the Services.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     engine: Literal["builtin", "xllm", "vllm"] = "builtin"
     image: Image | None = Field(None, description="Runtime image; default from the operator.")
     accelerator: Accelerator = Field(default_factory=Accelerator)

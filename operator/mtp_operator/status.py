@@ -73,6 +73,24 @@ def _ready_ranks(obs: Observations) -> tuple[int, list[str]]:
     return ready, waiting
 
 
+def group_ready_ranks(nnodes: int, ranks: list) -> tuple[int, list[str]]:
+    """(ready ranks, why the others are not) of one group."""
+    return _ready_ranks(Observations(generation=0, nnodes=nnodes, draft_model_path="", master_address="",
+                                     endpoint="", template_hash="", export=None, ranks=ranks))
+
+
+def _fleet_ready(obs: Observations) -> tuple[int, list[str], bool]:
+    """(ready ranks over every group, waiting messages, every group ready)."""
+    total, waiting, all_ready = 0, [], bool(obs.groups)
+    for group in obs.groups or []:
+        ready, why = group_ready_ranks(group.nnodes, group.ranks)
+        total += ready
+        if ready < group.nnodes:
+            all_ready = False
+            waiting += [f"group {group.index} {text}" for text in why]
+    return total, waiting, all_ready
+
+
 def _figures(stats: SpecDecodeStats, stats_time: str | None) -> dict[str, Any]:
     def clean(values: dict[str, Any]) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items() if v is not None}
@@ -99,8 +117,14 @@ def compute_status(old: dict[str, Any] | None, obs: Observations, *, min_accepta
     old_conditions = {cond["type"]: cond for cond in old.get("conditions", []) if "type" in cond}
     gen = obs.generation
     draft_ready, draft_reason, draft_message, export_failed = _draft(obs)
-    ready_count, waiting = _ready_ranks(obs) if draft_ready else (0, [])
-    group_ready = draft_ready and ready_count == obs.nnodes and not obs.failure
+    if obs.groups is not None:
+        ready_count, waiting, every_group = _fleet_ready(obs) if draft_ready else (0, [], False)
+        total_nodes = sum(group.nnodes for group in obs.groups)
+        group_ready = draft_ready and every_group and not obs.failure
+    else:
+        ready_count, waiting = _ready_ranks(obs) if draft_ready else (0, [])
+        total_nodes = obs.nnodes
+        group_ready = draft_ready and ready_count == obs.nnodes and not obs.failure
 
     figures = _figures(obs.stats, obs.stats_time) if obs.stats is not None else \
         {k: old[k] for k in ("speculative", "throughput", "latency") if k in old}
@@ -125,15 +149,21 @@ def compute_status(old: dict[str, Any] | None, obs: Observations, *, min_accepta
         phase = "Exporting"
         progressing = (True, draft_reason, draft_message)
         ready = (False, "DraftNotReady", draft_message)
+    elif obs.groups is not None and not obs.groups:
+        phase = "Pending"
+        progressing = (False, "ScaledToZero", "spec.replicas is 0: no group runs; the export and Services stay")
+        ready = (False, "ScaledToZero", "spec.replicas is 0")
     elif not group_ready:
         phase = "Starting"
-        message = f"{ready_count}/{obs.nnodes} ranks ready; " + "; ".join(waiting)
+        message = f"{ready_count}/{total_nodes} ranks ready; " + "; ".join(waiting)
         progressing = (True, "RanksStarting", message)
         ready = (False, "RanksNotReady", message)
     else:
         phase = "Running"
-        progressing = (False, "GroupReady", f"all {obs.nnodes} ranks ready")
-        ready = (True, "GroupReady", f"all {obs.nnodes} ranks ready and healthy")
+        what = f"{len(obs.groups)} group(s) of {obs.nnodes} ranks" if obs.groups is not None else \
+            f"{obs.nnodes} ranks"
+        progressing = (False, "GroupReady", f"all {what} ready")
+        ready = (True, "GroupReady", f"all {what} ready and healthy")
 
     if low_acceptance:
         degraded = (True, "LowAcceptance",
@@ -153,7 +183,7 @@ def compute_status(old: dict[str, Any] | None, obs: Observations, *, min_accepta
     ] + foreign_conditions(old)
     status: dict[str, Any] = {
         "phase": phase, "observedGeneration": gen, "conditions": conditions,
-        "readyNodes": ready_count, "nnodes": obs.nnodes, "nodes": f"{ready_count}/{obs.nnodes}",
+        "readyNodes": ready_count, "nnodes": obs.nnodes, "nodes": f"{ready_count}/{total_nodes}",
         "masterAddress": obs.master_address, "endpoint": obs.endpoint, "draftModelPath": obs.draft_model_path,
         "templateHash": obs.template_hash, **figures,
     }

@@ -59,6 +59,46 @@ class GangStatus(ApiModel):
     reason: str | None = None
 
 
+class GroupStatus(ApiModel):
+    """One group of the fleet, with its own rank 0's figures."""
+
+    index: int
+    revision: str | None = None
+    stateful_set: str | None = None
+    ready_nodes: int = 0
+    phase: Literal["Pending", "Starting", "Running", "Updating"] = "Pending"
+    restarts: int = Field(0, description="Whole-group restarts of this group (gang restarts).")
+    acceptance_rate: float | None = None
+    time_per_output_token_seconds: float | None = None
+    draft_tokens: int | None = None
+    template_hash: str | None = None
+    gang: GangStatus | None = None
+
+
+class CounterSnapshot(ApiModel):
+    uid: str = Field("", description="The rank-0 pod the counters came from.")
+    draft: float = 0.0
+    accepted: float = 0.0
+    tpot_sum: float = 0.0
+    tpot_count: float = 0.0
+
+
+class RolloutStatus(ApiModel):
+    """The rollout in progress or last finished (mtp_operator.rollout); an operator restart resumes it."""
+
+    revision: str | None = Field(None, description="The revision being rolled out.")
+    phase: Literal["Canary", "Analyzing", "Rolling", "Failed"] | None = None
+    canary_groups: list[int] = Field(default_factory=list)
+    start_time: float | None = None
+    analysis_start: float | None = None
+    start_counters: dict[str, CounterSnapshot] = Field(
+        default_factory=dict, description="Rank-0 counters of each compared group when the analysis began.")
+    baseline: dict[str, float | None] | None = Field(
+        None, description="The old revision's figures, recorded when the rollout began.")
+    message: str | None = None
+    last_result: str | None = None
+
+
 class MtpDeploymentStatus(ApiModel):
     phase: Literal["Pending", "Exporting", "Starting", "Running", "Degraded", "Failed"] | None = None
     observed_generation: int | None = None
@@ -76,3 +116,12 @@ class MtpDeploymentStatus(ApiModel):
     throughput: ThroughputStatus | None = None
     latency: LatencyStatus | None = None
     gang: GangStatus | None = None
+    replicas: int | None = Field(None, description="Groups that exist (the scale subresource's status).")
+    ready_replicas: int | None = None
+    updated_replicas: int | None = Field(None, description="Groups on updateRevision.")
+    ready: str | None = Field(None, description="readyReplicas/replicas, for kubectl get.")
+    selector: str | None = Field(None, description="Label selector of the rank-0 pods (scale subresource).")
+    current_revision: str | None = None
+    update_revision: str | None = None
+    groups: list[GroupStatus] = Field(default_factory=list)
+    rollout: RolloutStatus | None = None

@@ -63,9 +63,11 @@ def test_schema_is_structural():
 
 def test_printer_columns_and_status_subresource():
     version = crd.build_crd()["spec"]["versions"][0]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}
     names = [col["name"] for col in version["additionalPrinterColumns"]]
-    assert names[:3] == ["Nodes", "Phase", "Acceptance"] and "Age" in names
+    assert names[:4] == ["Ready", "Nodes", "Phase", "Acceptance"] and "Age" in names
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
@@ -95,7 +97,8 @@ def test_every_cel_rule_of_every_model_is_in_the_crd():
     assert len(rules["spec.securityContext"]) == 1 and len(rules["spec.securityContext.seccompProfile"]) == 1
     assert "has(self.value) != has(self.valueFrom)" in rules["spec.env[]"]
     assert len(rules["spec.resources"]) == 2 and len(rules["spec.export.resources"]) == 2
-    assert len([r for rs in rules.values() for r in rs]) == 25
+    assert len([r for rs in rules.values() for r in rs]) == 26
+    assert len(rules["spec.rollout"]) == 1
 
 
 def test_cel_field_paths_name_fields_of_the_schema():

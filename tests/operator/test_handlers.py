@@ -41,7 +41,7 @@ def test_scrape_uses_deltas_and_resets_on_a_new_rank0_pod(make_cr, port):
     cr = make_cr(changes={"ports": {"http": port}})
     cr["status"] = {"phase": "Running"}
     pods = {("default", "ds"): [{"component": "server", "rank": 0, "podIP": "127.0.0.1", "uid": "a",
-                                 "terminating": False}]}
+                                 "terminating": False, "ready": True, "group": 0}]}
     memo: dict = {}
     settings = OperatorSettings()
     Metrics.draft, Metrics.accepted = 100, 80

@@ -53,4 +53,4 @@ def test_rank_observations_only_server_pods():
 
 def test_statefulset_summary():
     body = {"metadata": {"name": "ds", "annotations": {c.ANNOTATION_TEMPLATE_HASH: "h"}}}
-    assert statefulset_summary(body) == {"name": "ds", "templateHash": "h"}
+    assert statefulset_summary(body) == {"name": "ds", "templateHash": "h", "group": 0, "revision": None}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from mtp_operator import constants as c
 from mtp_operator.reconcile import Cluster, phase_event, reconcile
+from mtp_operator.revisions import group_template, revision_hash
 from mtp_operator.settings import OperatorSettings
+from mtp_operator.spec import SpecError, parse_spec
 
 
 class RecordingKube:
@@ -27,12 +29,41 @@ class RecordingKube:
     def delete_pods(self, namespace, label_selector):
         self.calls.append(("delete_pods", label_selector))
 
+    def delete_statefulset(self, namespace, name):
+        self.calls.append(("delete_statefulset", name))
+
+    def create_controller_revision(self, namespace, body):
+        self.calls.append(("create_controller_revision", body["metadata"]["name"]))
+        return True
+
+    def delete_controller_revision(self, namespace, name):
+        self.calls.append(("delete_controller_revision", name))
+
 
 SETTINGS = OperatorSettings(probe_pods=False)
 
 
+def revision_of(cr):
+    """The ControllerRevision summary an index would hold for the CR's current spec (none if invalid)."""
+    try:
+        template = group_template(parse_spec(cr["spec"]))
+    except SpecError:
+        return None
+    rev = revision_hash(template)
+    return {"name": f"ds-{rev}", "hash": rev, "revision": 1, "spec": template}
+
+
 def step(cr, kube, jobs=(), pods=(), statefulsets=()):
-    return reconcile(cr, Cluster(kube, SETTINGS, list(jobs), list(pods), list(statefulsets)), None, now=1000.0)
+    revision = revision_of(cr)
+    cluster = Cluster(kube, SETTINGS, list(jobs), list(pods), list(statefulsets), [revision] if revision else [])
+    return reconcile(cr, cluster, None, now=1000.0)
+
+
+def test_first_reconcile_keeps_the_revision_in_a_controller_revision(make_cr):
+    kube = RecordingKube()
+    out = reconcile(make_cr(), Cluster(kube, SETTINGS), None, now=1000.0)
+    rev = out.status["updateRevision"]
+    assert kube.calls[0] == ("create_controller_revision", f"ds-{rev}") and out.status["currentRevision"] == rev
 
 
 def cond(status, ctype):
@@ -91,7 +122,8 @@ def test_export_job_created_once_then_group_applied_once(make_cr):
     assert ready.status["phase"] == "Starting" and ready.status["appliedHash"]
 
     kube = RecordingKube()
-    again = step({**cr, "status": ready.status}, kube, jobs=done, statefulsets=[{"name": "ds"}])
+    again = step({**cr, "status": ready.status}, kube, jobs=done,
+                 statefulsets=[{"name": "ds", "group": 0, "revision": ready.status["updateRevision"]}])
     assert kube.calls == [] and again.status == ready.status  # level-based: nothing to change
 
 
@@ -105,9 +137,9 @@ def test_stale_pods_roll_the_whole_group(make_cr):
     cr = make_cr(changes={"export": None, "draftModel": {"path": "/models/d"}})
     pods = [{"name": f"ds-{r}", "uid": f"u{r}", "component": c.COMPONENT_SERVER, "rank": r, "templateHash": "old",
              "ready": True, "restarts": 0, "terminating": False, "podIP": "10.0.0.1", "jobName": None,
-             "terminationMessage": ""} for r in (0, 1)]
+             "terminationMessage": "", "group": 0} for r in (0, 1)]
     kube = RecordingKube()
-    out = step(cr, kube, pods=pods, statefulsets=[{"name": "ds"}])
+    out = step(cr, kube, pods=pods, statefulsets=[{"name": "ds", "group": 0}])
     deletes = [sel for name, sel in kube.calls if name == "delete_pods"]
     assert len(deletes) == 1 and f"{c.LABEL_TEMPLATE_HASH}!={out.status['templateHash']}" in deletes[0]
     assert out.status["phase"] == "Starting"

@@ -218,6 +218,7 @@ def _declare_resources(server: ApiServer) -> None:
     server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"})
     for resource, kind in (("batch/v1/jobs", "Job"), ("v1/pods", "Pod"), ("apps/v1/statefulsets", "StatefulSet"),
+                           ("apps/v1/controllerrevisions", "ControllerRevision"),
                            ("v1/services", "Service"), ("v1/events", "Event")):
         server.resources[resource] = info(kind=kind, namespaced=True, subresources={"status"},
                                           verbs={"list", "watch", "get", "patch", "create", "delete"})

@@ -20,6 +20,12 @@ def spec(port: int, **changes) -> dict:
     return base
 
 
+def group_gang(cr: dict, group: int = 0) -> dict:
+    """A group's whole-group-restart record (status.groups[].gang)."""
+    groups = cr.get("status", {}).get("groups", [])
+    return next((g.get("gang") or {} for g in groups if g["index"] == group), {})
+
+
 def condition(cr: dict, ctype: str) -> dict:
     return next((x for x in cr.get("status", {}).get("conditions", []) if x["type"] == ctype), {})
 
@@ -105,10 +111,10 @@ async def _running_group(cluster, runtime, name="ds", **changes):
 
 async def test_gang_restart_when_one_rank_restarts(cluster, runtime):
     await _running_group(cluster, runtime)
-    await wait(lambda: cluster.cr("ds")["status"].get("gang", {}).get("members"), "gang baseline")
+    await wait(lambda: group_gang(cluster.cr("ds")).get("members"), "gang baseline")
     before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.list("v1/pods")}
     await cluster.set_pod("ds-1", ready=False, restarts=1)  # rank 1's container restarted alone
-    await wait(lambda: cluster.cr("ds")["status"].get("gang", {}).get("restarts") == 1, "a gang restart")
+    await wait(lambda: group_gang(cluster.cr("ds")).get("restarts") == 1, "a gang restart")
     assert cluster.requests("DELETE", "/pods") and not cluster.requests("DELETE", "/pods/")
     after = await wait(lambda: len(cluster.list("v1/pods")) == 2 and
                        {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.list("v1/pods")}, "new pods")
@@ -121,7 +127,7 @@ async def test_gang_restart_when_one_rank_restarts(cluster, runtime):
 
 def _baseline_is_current(cluster) -> bool:
     pods = cluster.list("v1/pods")
-    members = cluster.cr("ds")["status"].get("gang", {}).get("members", {})
+    members = group_gang(cluster.cr("ds")).get("members", {})
     current = {p["metadata"]["labels"][c.LABEL_POD_INDEX]:
                f"{p['metadata']['uid']}/{p['status']['containerStatuses'][0]['restartCount']}" for p in pods}
     return len(pods) == 2 and members == current
@@ -133,7 +139,7 @@ async def test_gang_restart_budget_exhausted_fails(cluster, runtime):
         await wait(lambda: _baseline_is_current(cluster), "the gang baseline of the current pods")
         await cluster.set_pod("ds-1", ready=True, restarts=attempt)
         if attempt <= 2:  # budget 2 in the test settings
-            await wait(lambda: cluster.cr("ds")["status"]["gang"]["restarts"] == attempt, f"restart {attempt}")
+            await wait(lambda: group_gang(cluster.cr("ds"))["restarts"] == attempt, f"restart {attempt}")
             await wait(lambda: len(cluster.list("v1/pods")) == 2 and not any(
                 p["status"]["containerStatuses"][0]["restartCount"] for p in cluster.list("v1/pods")),
                 "recreated pods")
@@ -141,7 +147,7 @@ async def test_gang_restart_budget_exhausted_fails(cluster, runtime):
                 await cluster.set_pod(pod, ready=True)
     await wait(lambda: cluster.cr("ds")["status"]["phase"] == "Failed", "Failed after the budget")
     assert condition(cluster.cr("ds"), "Ready")["reason"] == "GangRestartBudgetExhausted"
-    assert cluster.cr("ds")["status"]["gang"]["restarts"] == 2
+    assert group_gang(cluster.cr("ds"))["restarts"] == 2
 
 
 async def test_spec_update_rolls_the_whole_group(cluster, runtime):
