@@ -10,7 +10,11 @@ tokens, where p_j is the chance that draft j is accepted given drafts
 multiplies the old counts by `decay`, so recent steps weigh more) and the
 step's cost c(k, b) per batch-size bucket b from the measured step times
 (seeded by the engine's warm-up), and picks the k in 0..K with the most
-tokens per second, E[k] / c(k, b). A k's score must beat the current one's
+tokens per second, E[k] / c(k, b). A machine whose speed changes (other work
+on its cores) would make the depth in use look dearer than the others, last
+measured when it was quieter, so every step's time is split into a bucket's
+load factor, which moves fast and is shared by all k, and the k's own cost
+at unit load, which moves slowly: c(k, b) = load(b) * unit(k, b). A k's score must beat the current one's
 by `switch_margin` to replace it (noise in the timings would otherwise flip
 k every step, and each rise pays for drafts the previous step did not make).
 
@@ -85,7 +89,8 @@ class AdaptivePolicy:
 
     max_k: int
     decay: float = 0.9  # per step; the counts of the last ~1 / (1 - decay) steps dominate
-    cost_smoothing: float = 0.2  # weight of a new step time in its (k, bucket) estimate
+    cost_smoothing: float = 0.05  # weight of a new step time in its (k, bucket) cost at unit load
+    load_smoothing: float = 0.3  # weight of a new step time in its bucket's load factor
     probe_interval: int = 64  # steps between probes (jittered +-25%)
     probe_steps: int = 2
     switch_margin: float = 0.03
@@ -95,7 +100,8 @@ class AdaptivePolicy:
     adaptive = True
     _tries: list[float] = field(init=False)
     _hits: list[float] = field(init=False)
-    _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)
+    _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # at unit load
+    _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
     _probe_k: int = field(init=False, default=0)
@@ -109,8 +115,9 @@ class AdaptivePolicy:
                              f"(--num_speculative_tokens is the largest k adaptive depth may choose)")
         if not 0 < self.decay <= 1:
             raise ValueError(f"AdaptivePolicy: decay={self.decay} must lie in (0, 1]")
-        if not 0 < self.cost_smoothing <= 1:
-            raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing} must lie in (0, 1]")
+        if not 0 < self.cost_smoothing <= 1 or not 0 < self.load_smoothing <= 1:
+            raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing} and load_smoothing="
+                             f"{self.load_smoothing} must lie in (0, 1]")
         if self.probe_interval < 1 or self.probe_steps < 1:
             raise ValueError("AdaptivePolicy: probe_interval and probe_steps must be >= 1")
         self._tries = [0.0] * self.max_k
@@ -136,14 +143,18 @@ class AdaptivePolicy:
         steps: a prompt chunk in the step would charge its prefill to k)."""
         if not 0 <= k <= self.max_k or batch_size < 1 or seconds <= 0:
             return
-        key = (k, batch_bucket(batch_size))
+        bucket = batch_bucket(batch_size)
+        key = (k, bucket)
+        load = self._load.setdefault(bucket, 1.0)
         cost = self._costs.get(key)
         if cost is None:
-            self._costs[key] = _Cost(seconds)
-        else:
-            # the mean of the first samples (the warm-up's, the first probes'), then an EMA
-            cost.samples += 1
-            cost.seconds += max(self.cost_smoothing, 1.0 / cost.samples) * (seconds - cost.seconds)
+            self._costs[key] = _Cost(seconds / load)
+            return
+        # how much slower than its estimate this k ran just now: the whole bucket's load moves
+        self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
+        # then the k's own cost at unit load: the mean of its first samples, then a slow EMA
+        cost.samples += 1
+        cost.seconds += max(self.cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
 
     def end_step(self) -> None:
         """Once per engine step, after its evidence: older counts weigh less."""
@@ -173,7 +184,8 @@ class AdaptivePolicy:
         known = [(abs(b.bit_length() - bucket.bit_length()), b) for kk, b in self._costs if kk == k]
         if not known:
             return None
-        return self._costs[(k, min(known)[1])].seconds
+        nearest = min(known)[1]
+        return self._costs[(k, nearest)].seconds * self._load.get(nearest, 1.0)
 
     def scores(self, batch_size: int) -> list[float | None]:
         """Expected tokens per second at each depth (None: no cost measured yet). A step at k does all

@@ -172,3 +172,21 @@ def test_fixed_policy_and_settings():
         AdaptivePolicy(0)
     with pytest.raises(ValueError, match="decay"):
         AdaptivePolicy(2, decay=0)
+
+
+def test_a_machine_that_slows_down_does_not_make_the_depth_in_use_look_dear():
+    unit = {0: 1.0, 1: 1.05, 2: 1.5}  # p = 0.6: E = 1, 1.6, 1.96 tokens -> k = 1 gives the most per second
+    policy = _seeded(AdaptivePolicy(2, prior_weight=1e-9, probe_interval=10**6), lambda k, b: unit[k])
+    for _ in range(30):
+        policy.record_verify(2, 1)
+        policy.record_verify(2, 2)
+        policy.record_verify(2, 0)
+        policy.record_verify(2, 1)
+        policy.record_verify(2, 2)
+    chosen = []
+    for step in range(200):  # from step 20 on, everything takes 2.5x as long; only k = 1 keeps running
+        k = policy.choose(4)
+        policy.record_step(k, 4, unit[k] * (2.5 if step >= 20 else 1.0))
+        chosen.append(k)
+    assert chosen[10:] == [1] * 190
+    assert policy.cost(0, 4) == pytest.approx(2.5, rel=0.15)  # the load moved every k's estimate
