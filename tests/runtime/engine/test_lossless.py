@@ -243,3 +243,31 @@ def test_graph_mode_with_adaptive_depth_has_a_one_call_step_for_every_k(kit, tin
     assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
     assert set(ran) == {0, 1, 2}, "some k never took its one-call step"
     assert "no decode-step graph from the warm-up fits" not in caplog.text, "the warm-up missed a step shape"
+
+
+def test_sampled_and_greedy_requests_together_with_k_drawn_at_random(kit, tiny_models):
+    """Sampled sequences verify filler with a one-hot q after a step at a lower k; beside greedy ones,
+    whose output stays plain decoding's, seeded sampling repeats exactly."""
+    from mtp_runtime.engine.config import EngineConfig
+    from mtp_runtime.engine.llm_engine import LLMEngine
+
+    model = tiny_models["deepseek_v3"]
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=14, seed=11, ignore_eos=True)
+    requests = {"g0": (SHARED + [5, 9], greedy(14)), "s0": ([7, 3, 11, 40], sampled),
+                "g1": ([21, 8, 99], greedy(10)), "s1": (SHARED[:5], SamplingParams(temperature=1.0, max_tokens=12,
+                                                                                  seed=3, ignore_eos=True))}
+    plain = kit.make_engine(model, 0, enable_prefix_cache=False)
+    expected = {rid: kit.run_requests(plain, {rid: requests[rid]})[rid] for rid in ("g0", "g1")}
+
+    def run(seed):
+        engine = LLMEngine(EngineConfig(model=model, num_speculative_tokens=3, speculative_adaptive=True,
+                                        max_model_len=96, block_size=4, max_seqs_per_batch=8,
+                                        max_tokens_per_batch=64), policy=RandomDepth(3, seed))
+        out = kit.run_requests(engine, requests)
+        assert engine.stats().draft_tokens > 0
+        return out
+
+    first, second = run(1), run(1)
+    assert {rid: first[rid] for rid in expected} == expected
+    assert first == second
+    assert all(len(first[rid]) == requests[rid][1].max_tokens for rid in requests)
