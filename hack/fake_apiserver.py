@@ -2,7 +2,8 @@
 
 Just enough of the API for kopf and the official client: discovery, and per
 resource list / watch (resourceVersion-aware replay) / get / create / merge
-patch (incl. /status) / delete / deletecollection with label selectors.
+patch (incl. /status) / delete / deletecollection with label selectors
+(equality and set-based: `k=v`, `k!=v`, `k in (a,b)`, `k notin (a,b)`, `k`, `!k`).
 Every write bumps a global resourceVersion; creates assign uid, generation
 and creationTimestamp; spec patches bump generation. Each request costs O(1)
 in the number of past requests (kmock rescans its request history when
@@ -12,13 +13,17 @@ matching reactions, which dominates at hundreds of objects).
     url = await server.start()              # http://127.0.0.1:PORT
     server.objects[("batch/v1/jobs", ns, name)]
     server.on_create.append(callback)       # callback(resource_key, obj), e.g. a fake Job controller
+    server.on_event.append(callback)        # callback(resource_key, "ADDED"|"MODIFIED"|"DELETED", obj)
+    StatefulSetController(server)           # plays the StatefulSet controller (pods, its ControllerRevisions)
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
+import re
 import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -60,15 +65,42 @@ def json_patch(target: dict, ops: list[dict]) -> dict:
     return doc
 
 
+_SET_TERM = re.compile(r"^\s*(\S+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
+
+
+def _terms(selector: str) -> list[str]:
+    """Split a selector at the commas outside parentheses (`k in (a,b)` is one term)."""
+    terms, depth, start = [], 0, 0
+    for i, ch in enumerate(selector):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            terms.append(selector[start:i])
+            start = i + 1
+    terms.append(selector[start:])
+    return [t.strip() for t in terms if t.strip()]
+
+
 def label_match(labels: dict[str, str], selector: str) -> bool:
-    for term in filter(None, selector.split(",")):
-        if "!=" in term:
+    for term in _terms(selector):
+        set_term = _SET_TERM.match(term)
+        if set_term:
+            key, op, values = set_term.groups()
+            listed = {v.strip() for v in values.split(",") if v.strip()}
+            if op == "in" and labels.get(key) not in listed:
+                return False
+            if op == "notin" and key in labels and labels[key] in listed:
+                return False
+        elif "!=" in term:
             key, value = term.split("!=", 1)
-            if labels.get(key) == value:
+            if labels.get(key.strip()) == value.strip():
                 return False
         elif "=" in term:
             key, value = term.split("=", 1)
-            if labels.get(key) != value.lstrip("="):
+            if labels.get(key.strip()) != value.lstrip("=").strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:].strip() in labels:
                 return False
         elif term not in labels:
             return False
@@ -84,6 +116,7 @@ class FakeApiServer:
         self.version = 0
         self.requests = 0
         self.on_create: list[Callable[[str, dict], Any]] = []
+        self.on_event: list[Callable[[str, str, dict], Any]] = []  # after every stored change
         self.runner: web.AppRunner | None = None
 
     # --- storage -----------------------------------------------------------
@@ -96,6 +129,8 @@ class FakeApiServer:
         cond = self.changed.setdefault(key, asyncio.Condition())
         async with cond:
             cond.notify_all()
+        for callback in self.on_event:
+            callback(key, kind, obj)
 
     # --- routing -----------------------------------------------------------
     def _parse(self, request: web.Request) -> tuple[str, str | None, str | None, str | None]:
@@ -277,3 +312,105 @@ class FakeApiServer:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+REVISION_HASH_LABEL = "controller-revision-hash"  # what the real controller puts on its pods and revisions
+
+
+class StatefulSetController:
+    """The StatefulSet controller's part, at once and for every StatefulSet (a fleet's groups too).
+
+    OnDelete, as the operator's StatefulSets are: pod `<set>-<i>` for each i < replicas, made from the
+    template the StatefulSet has when the pod is (re)created; a deleted pod comes back from the current
+    template, pods beyond `replicas` are deleted, and so are a deleted StatefulSet's pods. Pods are
+    Running and Ready at once (`ready=False`: Running, not Ready). Like the real controller it also
+    records each template as a ControllerRevision `<set>-<hash>` labelled with the template's labels
+    (so an operator must tell those from its own), and keeps `status` (replicas, readyReplicas,
+    currentRevision) up to date.
+    """
+
+    STS, PODS, REVISIONS = "apps/v1/statefulsets", "v1/pods", "apps/v1/controllerrevisions"
+
+    def __init__(self, server: FakeApiServer, ready: bool = True, pod_ip: str = "127.0.0.1"):
+        self.server, self.ready, self.pod_ip = server, ready, pod_ip
+        self.pending: set[tuple[str, str]] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self.pods_created = 0
+        server.on_event.append(self.observe)
+
+    def observe(self, key: str, kind: str, obj: dict) -> None:
+        meta = obj["metadata"]
+        if key == self.STS:
+            self._schedule(meta["namespace"], meta["name"])
+        elif key == self.PODS and kind == "DELETED":
+            owner = next((ref["name"] for ref in meta.get("ownerReferences") or []
+                          if ref.get("kind") == "StatefulSet"), None)
+            if owner is not None:
+                self._schedule(meta["namespace"], owner)
+
+    def _schedule(self, namespace: str, name: str) -> None:
+        if (namespace, name) in self.pending:
+            return
+        self.pending.add((namespace, name))
+        task = asyncio.get_running_loop().create_task(self.sync(namespace, name))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def sync(self, namespace: str, name: str) -> None:
+        self.pending.discard((namespace, name))
+        objects = self.server.objects
+        sts = objects.get((self.STS, namespace, name))
+        if sts is None:  # deleted: its pods go with it (the garbage collector's part)
+            for (key, ns, pod_name), pod in list(objects.items()):
+                if key == self.PODS and ns == namespace and any(
+                        ref.get("kind") == "StatefulSet" and ref.get("name") == name
+                        for ref in pod["metadata"].get("ownerReferences") or []):
+                    await self.server._delete(self.PODS, namespace, pod_name)
+            return
+        template = sts["spec"]["template"]
+        revision = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+        revision_name = f"{name}-{revision}"
+        if (self.REVISIONS, namespace, revision_name) not in objects:
+            await self.server._create(self.REVISIONS, namespace, {
+                "apiVersion": "apps/v1", "kind": "ControllerRevision",
+                "metadata": {"name": revision_name, "namespace": namespace,
+                             "labels": {**(template["metadata"].get("labels") or {}), REVISION_HASH_LABEL: revision},
+                             "ownerReferences": [self._owner(sts)]},
+                "data": {"spec": {"template": template}}, "revision": sts["metadata"].get("generation", 1)})
+        replicas = sts["spec"].get("replicas", 1)
+        for index in range(replicas):
+            if (self.PODS, namespace, f"{name}-{index}") not in objects:
+                await self.server._create(self.PODS, namespace, self._pod(sts, index, revision))
+                self.pods_created += 1
+        index = replicas
+        while (self.PODS, namespace, f"{name}-{index}") in objects:
+            await self.server._delete(self.PODS, namespace, f"{name}-{index}")
+            index += 1
+        status = {"replicas": replicas, "readyReplicas": replicas if self.ready else 0,
+                  "currentRevision": revision_name, "updateRevision": revision_name,
+                  "observedGeneration": sts["metadata"].get("generation", 1)}
+        if (sts.get("status") or {}) != status and (self.STS, namespace, name) in objects:
+            await self.server._patch(self.STS, namespace, name, "status", {"status": status})
+
+    @staticmethod
+    def _owner(sts: dict) -> dict:
+        return {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts["metadata"]["name"],
+                "uid": sts["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+
+    def _pod(self, sts: dict, index: int, revision: str) -> dict:
+        template = copy.deepcopy(sts["spec"]["template"])
+        name = f"{sts['metadata']['name']}-{index}"
+        labels = {**(template["metadata"].get("labels") or {}), POD_INDEX_LABEL: str(index),
+                  REVISION_HASH_LABEL: f"{sts['metadata']['name']}-{revision}",
+                  "statefulset.kubernetes.io/pod-name": name}
+        ready = "True" if self.ready else "False"
+        containers = template["spec"].get("containers") or []
+        meta = {"name": name, "labels": labels, "ownerReferences": [self._owner(sts)]}
+        if template["metadata"].get("annotations"):
+            meta["annotations"] = template["metadata"]["annotations"]
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+                "spec": template["spec"],
+                "status": {"phase": "Running", "podIP": self.pod_ip, "conditions": [{"type": "Ready", "status": ready}],
+                           "containerStatuses": [{"name": c.get("name", "server"), "restartCount": 0,
+                                                  "ready": self.ready} for c in containers]}}
