@@ -21,7 +21,8 @@ The Kubernetes backend passes `master_host=kubernetes_master_host(name, ns)`
 (pod 0's DNS name in the headless Service); the local backend passes
 "127.0.0.1", `port_stride` = processes_per_rank(spec) and `device_stride` =
 the accelerator count, so ranks on one machine get distinct HTTP ports and
-devices (a pod sees only its own devices, numbered from 0). manifests.py turns
+devices (a pod sees only its own devices, numbered from 0); `first_device`
+moves a whole group past the devices of the groups before it. manifests.py turns
 a plan into Kubernetes objects.
 """
 
@@ -179,7 +180,7 @@ def _export_step(name: str, spec: MtpDeploymentSpec, image: str) -> ExportStep |
 
 def plan_deployment(name: str, namespace: str, spec: MtpDeploymentSpec, *, master_host: str,
                     settings: OperatorSettings | None = None, port_stride: int = 0, device_stride: int = 0,
-                    rank_ip: str = "127.0.0.1") -> DeploymentPlan:
+                    rank_ip: str = "127.0.0.1", first_device: int = 0) -> DeploymentPlan:
     settings = settings or OperatorSettings()
     kind = accelerator_kind(spec)
     count = spec.accelerator.count
@@ -199,7 +200,7 @@ def plan_deployment(name: str, namespace: str, spec: MtpDeploymentSpec, *, maste
 
     def context(rank: int | None) -> LaunchContext:
         port = http + (rank or 0) * port_stride
-        devices = device_list(kind, count, first=(rank or 0) * device_stride)
+        devices = device_list(kind, count, first=first_device + (rank or 0) * device_stride)
         return LaunchContext(rank, spec.nnodes, master_host, draft, devices, port)
 
     ranks = []

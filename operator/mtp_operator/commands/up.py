@@ -23,11 +23,14 @@ DESCRIPTION = """\
 Run an MtpDeployment on this machine with no cluster: the operator's own
 validation and plan, realised as local processes instead of a Job and a
 StatefulSet. The export step runs first (`mtp export`; a no-op when the
-draft's manifest says it is up to date), then spec.nnodes ranks start on
-127.0.0.1 (rank r serves HTTP on port P+r, rank 0 is the master). The status
-the operator would write (phase, conditions, acceptance rate) is printed as
-it changes, until Ctrl-C or SIGTERM stops every rank cleanly. A rank that
-exits restarts the whole group, within --restart-budget.
+draft's manifest says it is up to date), then spec.replicas groups of
+spec.nnodes ranks start on 127.0.0.1, each its own processes: group g's rank
+r serves HTTP on port P + g*nnodes + r, and its rank 0 is its master on port
+M + g (P and M: spec.ports, or free ones when those are taken). The status
+the operator would write (phase, conditions, acceptance rate, and per group
+in status.groups) is printed as it changes, until Ctrl-C or SIGTERM stops
+every rank cleanly. A rank that exits restarts its own group only, within
+--restart-budget (per group). With spec.replicas 0 only the export runs.
 
 The model volume's hostPath (or --models-dir) is where spec paths under
 spec.model.mountPath live on this machine. If spec.model.path has no model
@@ -47,17 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models-dir", type=Path, default=None,
                         help="local folder holding spec.model.mountPath's content (default: the volume's hostPath)")
     parser.add_argument("--once", action="store_true",
-                        help="exit 0 once the group is Ready (after --requests), printing the status")
+                        help="exit 0 once every group is Ready (after --requests), printing the status")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds to reach Ready before giving up with exit 1 (default: none; 900 with --once)")
+                        help="seconds for every group to reach Ready before giving up with exit 1 "
+                        "(default: none; 900 with --once)")
     parser.add_argument("--requests", type=int, default=0,
-                        help="once Ready, send N greedy completions to rank 0 and show the acceptance they gave")
+                        help="once a group is Ready, send N greedy completions to its rank 0 and show the "
+                        "acceptance they gave")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per --requests completion (default 32)")
     parser.add_argument("--port", type=int, default=None,
-                        help="HTTP port of rank 0; rank r uses PORT+r "
+                        help="HTTP port of group 0's rank 0; rank r of group g uses PORT + g*nnodes + r "
                         "(default: spec.ports.http if free, else a free one)")
     parser.add_argument("--master-port", type=int, default=None,
-                        help="rank 0's rendezvous port (default: spec.ports.master if free, else a free one)")
+                        help="group 0's rendezvous port (rank 0's); group g uses MASTER_PORT + g "
+                        "(default: spec.ports.master if free, else a free one)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where each process's log goes (default: a folder under the system temp dir)")
     parser.add_argument("--status-file", type=Path, default=None,
@@ -65,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-interval", type=float, default=10.0,
                         help="seconds between scrapes of rank 0's /metrics (default 10)")
     parser.add_argument("--restart-budget", type=int, default=None,
-                        help="whole-group restarts allowed (default: the operator's gang restart budget)")
+                        help="whole-group restarts allowed to each group (default: the operator's gang restart "
+                        "budget)")
     parser.add_argument("--restart-backoff", type=float, default=None,
                         help="seconds before the first group restart, doubling each time (default: the operator's)")
     parser.add_argument("--grace-period", type=float, default=None,
@@ -110,7 +117,7 @@ def prepare(args: argparse.Namespace):
 
     Raises the input errors `run` reports: each names the file and the field.
     """
-    from mtp_operator.local.launch import (choose_ports, export_process, plan_local, rank_processes,
+    from mtp_operator.local.launch import (choose_ports, export_process, plan_groups, plan_local,
                                            require_reference_env)
     from mtp_operator.local.model_prep import ensure_model
     from mtp_operator.local.paths import LocalPaths
@@ -129,8 +136,10 @@ def prepare(args: argparse.Namespace):
                             log=lambda line: print(f"mtp up: {line}", flush=True))
     if args.make_model_only:
         return None
-    http_port, master_port = choose_ports(spec, args.port, args.master_port)
-    plan = plan_local(metadata["name"], spec, http_port, master_port)
+    ports = choose_ports(spec, args.port, args.master_port, groups=spec.replicas)
+    groups = plan_groups(metadata["name"], spec, paths, ports)
+    # The export step and what every group shares; with no group, planned at the spec's ports (none is opened).
+    plan = groups[0].plan if groups else plan_local(metadata["name"], spec, spec.ports.http, spec.ports.master)
     if not args.dry_run:
         require_reference_env(spec, plan, os.environ)
     options = UpOptions(
@@ -147,19 +156,28 @@ def prepare(args: argparse.Namespace):
     if made and export is not None:
         # A new model with the old one's config.json and index: the old draft would look up to date.
         export = dataclasses.replace(export, argv=[*export.argv, "--force"])
-    return LocalDeployment(metadata["name"], spec, plan, export, rank_processes(plan, paths),
-                           options, out=lambda line: print(line, flush=True))
+    return LocalDeployment(metadata["name"], spec, plan, export, groups, options,
+                           out=lambda line: print(line, flush=True))
 
 
 def print_processes(deployment) -> None:
-    """The processes `mtp up` would start, as shell-quoted lines."""
+    """The processes `mtp up` would start, as shell-quoted lines (a fleet's under a line per group)."""
     import shlex
 
-    steps = ([deployment.export] if deployment.export else []) + deployment.ranks
-    for process in steps:
+    def show(process) -> None:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(process.env.items()))
         print(f"# {process.name}" + (f" (HTTP port {process.http_port})" if process.http_port else ""))
         print(f"{env} {shlex.join(process.argv)}".strip())
+
+    if deployment.export:
+        show(deployment.export)
+    if not deployment.groups:
+        print("# spec.replicas is 0: no group would start")
+    for group in deployment.groups:
+        if deployment.fleet:
+            print(f"# group {group.index}: endpoint {group.endpoint}, master {group.plan.master_address}")
+        for process in group.ranks:
+            show(process)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,8 +206,18 @@ def run(args: argparse.Namespace) -> int:
         print_processes(deployment)
         return 0
     plan = deployment.plan
-    print(f"mtp up: {deployment.name}: {plan.nnodes} rank(s) of {plan.engine} on 127.0.0.1, HTTP from port "
-          f"{plan.http_port}, master {plan.master_address}; logs in {deployment.options.log_dir}", flush=True)
+    if not deployment.groups:
+        print(f"mtp up: {deployment.name}: spec.replicas is 0: no group will start, only the export; "
+              f"logs in {deployment.options.log_dir}", flush=True)
+    elif not deployment.fleet:
+        print(f"mtp up: {deployment.name}: {plan.nnodes} rank(s) of {plan.engine} on 127.0.0.1, HTTP from port "
+              f"{plan.http_port}, master {plan.master_address}; logs in {deployment.options.log_dir}", flush=True)
+    else:
+        print(f"mtp up: {deployment.name}: {len(deployment.groups)} groups of {plan.nnodes} rank(s) of "
+              f"{plan.engine} on 127.0.0.1; logs in {deployment.options.log_dir}", flush=True)
+        for group in deployment.groups:
+            print(f"           group {group.index}: HTTP from port {group.plan.http_port}, "
+                  f"master {group.plan.master_address}", flush=True)
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -198,5 +226,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if deployment.fleet:
+        for line in deployment.group_summaries():
+            print(line, flush=True)
     print(status_document(deployment.name, deployment.status), end="", flush=True)
     return code

@@ -139,14 +139,23 @@ class ProcessGroup:
         asked for during the backoff) the group stays stopped and this returns
         False.
         """
+        if sleep(self.begin_restart()) is True:
+            return False
+        self.finish_restart()
+        return True
+
+    def begin_restart(self) -> float:
+        """The first half of `restart`, for a caller that waits out the backoff
+        itself (while it watches other groups): kill every member at once and
+        return the seconds to wait before `finish_restart`."""
         if not self.can_restart():
             raise RuntimeError(f"restart budget of {self.restart_budget} spent")
         self.stop(grace_seconds=0)
-        if sleep(self.next_backoff()) is True:
-            return False
+        return self.next_backoff()
+
+    def finish_restart(self) -> None:
         self.restarts += 1
         self.start()
-        return True
 
     def stop(self, grace_seconds: float | None = None) -> dict[str, int]:
         """Stop every member (SIGTERM, then SIGKILL after the grace period)."""

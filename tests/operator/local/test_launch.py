@@ -86,9 +86,9 @@ def test_ports_from_the_spec_when_free_else_free_ones():
         taken = busy.getsockname()[1]
         data = yaml.safe_load(SAMPLE.read_text())["spec"]
         data.update(nnodes=2, ports={"http": taken, "master": taken + 10})
-        http, master = choose_ports(parse_spec(data), None, None)
+        ((http, master),) = choose_ports(parse_spec(data), None, None)
         assert http != taken and master not in (http, http + 1)
-        assert choose_ports(spec, 18500, 18600) == (18500, 18600)
+        assert choose_ports(spec, 18500, 18600) == [(18500, 18600)]
     with pytest.raises(PlanError, match="collides"):
         choose_ports(spec, 18500, 18501)
 
@@ -110,7 +110,7 @@ def test_several_devices_per_rank_get_their_own_ports_and_devices(tmp_path):
     assert rank0.argv[4:10] == ["2", "4", "0", "18100", "npu", "0"]
     assert (rank0.http_port, rank1.http_port) == (18100, 18102)
     assert f"--model={tmp_path}/tiny-deepseek-v3" in rank1.argv
-    http, master = choose_ports(spec, None, None)
+    ((http, master),) = choose_ports(spec, None, None)
     assert master not in range(http, http + 4)
 
 
@@ -135,7 +135,7 @@ def test_up_waits_as_long_as_the_pods_grace_period(tmp_path):
     assert _prepare(tmp_path).options.grace_seconds == 45  # the server's 30 s drain + 15 s
     deployment = _prepare(tmp_path, {"runtime": {"shutdownTimeout": 5}})
     assert deployment.options.grace_seconds == deployment.plan.termination_grace_seconds == 20
-    assert "--shutdown_timeout=5" in deployment.ranks[0].argv
+    assert "--shutdown_timeout=5" in deployment.groups[0].ranks[0].argv
     assert _prepare(tmp_path, {"runtime": {"shutdownTimeout": 5}}, "--grace-period", "3").options.grace_seconds == 3
 
 

@@ -69,4 +69,4 @@ def test_restarting_soon_after_ctrl_c_keeps_the_spec_ports():
     master = free_ports(1)[0]
     data = yaml.safe_load(SAMPLE.read_text())["spec"]
     spec = parse_spec({**data, "ports": {"http": http, "master": master}})
-    assert choose_ports(spec, None, None) == (http, master)
+    assert choose_ports(spec, None, None) == [(http, master)]
