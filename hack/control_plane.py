@@ -15,7 +15,8 @@ What runs:
   made here (TokenRequest works), an audit log of every request at Metadata level (what
   each user did: the RBAC tests read it).
 - kube-controller-manager with the controllers a workload needs (StatefulSet, Job, ReplicaSet,
-  Deployment, garbage collector, endpoints, namespaces, ServiceAccounts and their tokens).
+  Deployment, garbage collector, endpoints, namespaces, ServiceAccounts and their tokens) and the
+  HorizontalPodAutoscaler's (it reads a target's scale subresource; no metrics API runs here).
 - kwok, which plays the kubelet for nodes annotated kwok.x-k8s.io/node=fake: nodes turn Ready,
   bound pods turn Running and Ready with an address from POD_CIDR (127.1.0.0/16, so that
   probing a pod IP reaches loopback, where a test can serve a fake rank), and pods of Jobs
@@ -51,7 +52,7 @@ SERVICE_CIDR = "10.96.0.0/16"  # allocated addresses only: nothing runs kube-pro
 ADMIN_TOKEN_USER = "mtp-test-admin"
 NODE_RESOURCES = {"cpu": "64", "memory": "512Gi", "pods": "110", "huawei.com/Ascend910": "8", "nvidia.com/gpu": "8"}
 CONTROLLERS = ("statefulset,job,replicaset,deployment,garbagecollector,endpoint,endpointslice,namespace,"
-               "serviceaccount,serviceaccount-token,ttl-after-finished")
+               "serviceaccount,serviceaccount-token,ttl-after-finished,horizontalpodautoscaling")
 AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: ["RequestReceived"]

@@ -221,8 +221,17 @@ class FakeRank:
         self.accepted = 0
         self.tpot_sum = 0.0
         self.tpot_count = 0
+        # Serving load: each scrape finds `per_scrape` more drafted tokens at this acceptance and TPOT.
+        self.per_scrape = 0
+        self.acceptance = 0.0
+        self.tpot = 0.01
 
     def metrics(self) -> str:
+        if self.per_scrape:
+            self.draft += self.per_scrape
+            self.accepted += round(self.per_scrape * self.acceptance)
+            self.tpot_sum += self.tpot * self.per_scrape
+            self.tpot_count += self.per_scrape
         return (f"# TYPE mtp_spec_decode_draft_tokens_total counter\nmtp_spec_decode_draft_tokens_total {self.draft}\n"
                 f"# TYPE mtp_spec_decode_accepted_tokens_total counter\n"
                 f"mtp_spec_decode_accepted_tokens_total {self.accepted}\n"
@@ -235,9 +244,11 @@ class FakeRank:
 class RankServers:
     """Serves a FakeRank on every running pod's IP of one namespace (kwok gives them 127.1.x.y)."""
 
-    def __init__(self, kube: Kube, namespace: str, port: int):
+    def __init__(self, kube: Kube, namespace: str, port: int, profile: Callable[[dict], dict] | None = None):
         self.kube, self.namespace, self.port = kube, namespace, port
+        self.profile = profile  # pod -> FakeRank attributes (e.g. acceptance by the pod's image)
         self.by_ip: dict[str, tuple[ThreadingHTTPServer, FakeRank]] = {}
+        self.uids: dict[str, str] = {}  # address -> the pod it serves now
         self.default = FakeRank()
         self.stop_flag = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="rank-servers", daemon=True)
@@ -246,9 +257,17 @@ class RankServers:
     def rank(self, ip: str) -> FakeRank:
         return self.by_ip[ip][1]
 
-    def _serve(self, ip: str) -> None:
-        fake = FakeRank()
+    def _fresh(self, fake: FakeRank, pod: dict) -> None:
+        """A new pod behind an address (kwok reuses the addresses of deleted pods): counters from zero."""
+        fake.__dict__.update(FakeRank().__dict__)
         fake.__dict__.update(self.default.__dict__)
+        if self.profile is not None:
+            fake.__dict__.update(self.profile(pod))
+        self.uids[pod["status"]["podIP"]] = pod["metadata"]["uid"]
+
+    def _serve(self, ip: str, pod: dict) -> None:
+        fake = FakeRank()
+        self._fresh(fake, pod)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -280,7 +299,11 @@ class RankServers:
                 ip = pod.get("status", {}).get("podIP")
                 if ip and ip.startswith("127.") and ip not in self.by_ip:
                     with self.lock:
-                        self._serve(ip)
+                        self._serve(ip, pod)
+                elif ip in self.by_ip and self.uids.get(ip) != pod["metadata"]["uid"] \
+                        and not pod["metadata"].get("deletionTimestamp"):
+                    with self.lock:
+                        self._fresh(self.by_ip[ip][1], pod)
 
     def __enter__(self) -> "RankServers":
         self.thread.start()
@@ -299,8 +322,8 @@ def rank_servers(kube, namespace):
     """rank_servers(port) -> RankServers for this test's namespace."""
     opened: list[RankServers] = []
 
-    def open_servers(port: int) -> RankServers:
-        servers = RankServers(kube, namespace, port).__enter__()
+    def open_servers(port: int, profile: Callable[[dict], dict] | None = None) -> RankServers:
+        servers = RankServers(kube, namespace, port, profile).__enter__()
         opened.append(servers)
         return servers
 

@@ -32,6 +32,10 @@ MAXIMAL: dict[str, Any] = {
     "export": {"outputPath": "/models/ds-mtp", "image": "registry.example/mtp/runtime:1", "force": False,
                "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}},
     "nnodes": 2,
+    "replicas": 3,
+    "rollout": {"maxUnavailable": 1, "maxSurge": 1, "paused": False,
+                "canary": {"groups": 1, "analysisSeconds": 60, "minAcceptanceRatio": 0.9, "maxTpotRatio": 1.2,
+                           "minDraftTokens": 100}},
     "engine": "builtin",
     "image": "registry.example/mtp/runtime:1",
     "accelerator": {"resourceName": "nvidia.com/gpu", "count": 1},
@@ -243,6 +247,8 @@ CEL_BREAKERS: dict[str, tuple[Callable[[dict], dict], str]] = {
         lambda s: _set(s, ["extraArgs"], ["--a=1\n--b=2"]), "spec"),
     "extraArgs must not set a flag the operator sets": (
         lambda s: _set(s, ["extraArgs"], ["--node-rank", "3"]), "spec.extraArgs"),
+    "rollout.maxUnavailable and rollout.maxSurge cannot both be 0": (
+        lambda s: _set(s, ["rollout"], {"maxUnavailable": 0, "maxSurge": 0}), "spec.rollout"),
     "apiKeySecret is for engines builtin and vllm": (
         lambda s: {**s, "engine": "xllm", "runtime": {}, "speculative": {"numSpeculativeTokens": 1}},
         "spec.apiKeySecret"),
