@@ -341,3 +341,70 @@ def test_a_remade_model_gets_its_draft_exported_again(tmp_path):
     assert made.export is not None and made.export.argv[-1] == "--force"
     again = up.prepare(args)  # present and made with these arguments: the export may skip
     assert "--force" not in again.export.argv
+
+
+def test_dry_run_prints_every_groups_processes(tmp_path):
+    cr = write_cr(tmp_path / "fleet.yaml", {"replicas": 2, "nnodes": 2})
+    done = mtp_up(str(cr), "--models-dir", str(tmp_path / "models"), "--dry-run", "--port", "18300",
+                  "--master-port", "18399", timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    headers = [line for line in lines if line.startswith("# ")]
+    assert headers == ["# export",
+                       "# group 0: endpoint http://127.0.0.1:18300, master 127.0.0.1:18399",
+                       "# rank-0 (HTTP port 18300)", "# rank-1 (HTTP port 18301)",
+                       "# group 1: endpoint http://127.0.0.1:18302, master 127.0.0.1:18400",
+                       "# g1-rank-0 (HTTP port 18302)", "# g1-rank-1 (HTTP port 18303)"]
+    g1_rank1 = lines[lines.index("# g1-rank-1 (HTTP port 18303)") + 1]
+    assert "MTP_MASTER_ADDR=127.0.0.1:18400" in g1_rank1 and "--node_rank=1" in g1_rank1 and "--port=18303" in g1_rank1
+    zero = mtp_up(str(write_cr(tmp_path / "zero.yaml", {"replicas": 0})), "--models-dir", str(tmp_path / "models"),
+                  "--dry-run", timeout=60)
+    assert zero.returncode == 0, zero.stderr
+    assert zero.stdout.splitlines()[0] == "# export" and "# spec.replicas is 0: no group would start" in zero.stdout
+    assert "rank-0" not in zero.stdout
+
+
+def test_replicas_zero_runs_the_export_step_only_and_says_so(tmp_path):
+    # A draft given (nothing to export): no rank starts, the status says scaled to zero, exit 0.
+    models = tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    (models / "m" / "config.json").write_text("{}")
+    raw = yaml.safe_load(write_cr(tmp_path / "cr.yaml", {
+        "model": {"path": "/models/m", "mountPath": "/models", "volume": {"hostPath": "/unused"}},
+        "draftModel": {"path": "/models/m-mtp"}, "replicas": 0,
+    }).read_text())
+    del raw["spec"]["export"]
+    cr = tmp_path / "cr.yaml"
+    cr.write_text(yaml.safe_dump(raw))
+    log_dir = tmp_path / "logs"
+    done = mtp_up(str(cr), "--models-dir", str(models), "--log-dir", str(log_dir), timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "spec.replicas is 0: no group will start" in done.stdout
+    assert "spec.replicas is 0: no group started, nothing serves" in done.stdout
+    status = final_status(done.stdout)
+    assert status["phase"] == "Pending" and status["replicas"] == 0 and status["groups"] == []
+    assert conditions(status)["Ready"]["reason"] == "ScaledToZero"
+    assert not list(log_dir.glob("*rank-*.log"))
+
+
+@pytest.mark.slow
+def test_two_groups_each_serve_on_their_own_ports(models_dir, tmp_path):
+    # replicas 2 of the tiny model: two real `mtp serve` ranks, one per group, each with its own
+    # HTTP and master ports; --once waits for both and sends the completion to each group's rank 0.
+    cr = write_cr(tmp_path / "fleet.yaml", {"replicas": 2}, annotations=UNTRAINED)
+    done = mtp_up(str(cr), "--models-dir", str(models_dir), "--once", "--requests", "1", "--max-tokens", "4",
+                  "--timeout", "240", "--log-dir", str(tmp_path / "logs"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    status = final_status(out)
+    assert (status["replicas"], status["readyReplicas"], status["nodes"]) == (2, 2, "2/2")
+    first, second = status["groups"]
+    assert first["endpoint"] != second["endpoint"] and first["masterAddress"] != second["masterAddress"]
+    for group in (first, second):
+        assert f"group {group['index']}: endpoint {group['endpoint']} (OpenAI API" in out
+        assert f"group {group['index']}: completion 'def main(' ->" in out
+        assert group["phase"] == "Running" and group["draftTokens"] > 0
+        assert out.count(f"group {group['index']}: Running, 1 rank(s) ready, {group['endpoint']}") == 1
+    assert status["speculative"]["draftTokens"] == first["draftTokens"] + second["draftTokens"]
+    assert "stopped rank-0" in out and "g1-rank-0" in out
+    assert (tmp_path / "logs" / "g1-rank-0.log").is_file()

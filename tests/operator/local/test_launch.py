@@ -190,3 +190,65 @@ def test_smoke_requests_send_the_api_key(serve_http, monkeypatch):
     with serve_http(Rank0) as port:
         done = smoke_requests(f"http://127.0.0.1:{port}", 2)
     assert [d.text for d in done] == ["x", "x"] and seen == ["Bearer k-1"] * 3
+
+
+def test_each_group_gets_its_own_ports_master_and_names(tmp_path):
+    # Explicit ports: group g from PORT + g * nnodes and MASTER_PORT + g.
+    from mtp_operator.local.launch import plan_groups
+
+    spec = sample_spec(nnodes=2, replicas=3)
+    ports = choose_ports(spec, 18500, 18600, groups=3)
+    assert ports == [(18500, 18600), (18502, 18601), (18504, 18602)]
+    groups = plan_groups("tiny-cpu", spec, LocalPaths.for_spec(spec, tmp_path), ports)
+    assert [g.index for g in groups] == [0, 1, 2]
+    assert [[r.name for r in g.ranks] for g in groups] == [
+        ["rank-0", "rank-1"], ["g1-rank-0", "g1-rank-1"], ["g2-rank-0", "g2-rank-1"]]
+    assert [[r.http_port for r in g.ranks] for g in groups] == [[18500, 18501], [18502, 18503], [18504, 18505]]
+    assert [g.endpoint for g in groups] == [f"http://{LOOPBACK}:{p}" for p in (18500, 18502, 18504)]
+    second = groups[1].ranks[1]
+    assert second.env[c.ENV_MASTER_ADDR] == f"{LOOPBACK}:18601" and second.env[c.ENV_NODE_RANK] == "1"
+    assert f"--master_node_addr={LOOPBACK}:18601" in second.argv and "--port=18503" in second.argv
+    assert groups[2].plan.master_address == f"{LOOPBACK}:18602"
+
+
+def test_group_ports_fall_back_to_free_ones_that_no_other_group_uses():
+    from mtp_operator.local.launch import free_port_block
+
+    base = free_port_block(8)
+    data = yaml.safe_load(SAMPLE.read_text())["spec"]
+    # Group 2's master would land in group 2's HTTP block (base+4, base+5); group 1's block is busy.
+    data.update(nnodes=2, replicas=3, ports={"http": base, "master": base + 3})
+    spec = parse_spec(data)
+    with socket.socket() as busy:
+        busy.bind((LOOPBACK, base + 2))
+        busy.listen()
+        ports = choose_ports(spec, None, None, groups=3)
+    http = [port for first, _ in ports for port in (first, first + 1)]
+    masters = [master for _, master in ports]
+    assert ports[0][0] == base and base + 2 not in http
+    assert len(set(http + masters)) == 9  # no port serves two processes
+    assert ports[2][0] == base + 4 and masters[0] == base + 3  # the spec's layout where it is free
+    assert base + 4 not in masters and base + 5 not in masters  # ... and none where group 2 listens
+
+
+def test_explicit_ports_that_collide_across_groups_are_refused():
+    spec = sample_spec(replicas=2)
+    with pytest.raises(PlanError, match="--master-port 18501: group 0's master port 18501 collides with group 1's "
+                                        "HTTP ports 18501"):
+        choose_ports(spec, 18500, 18501, groups=2)
+    with pytest.raises(PlanError, match="--port 65535: group 1's 1 HTTP port"):
+        choose_ports(spec, 65535, 18600, groups=2)
+    assert choose_ports(spec, 18500, 18600, groups=0) == []
+
+
+def test_each_group_gets_its_own_devices(tmp_path):
+    # Two groups of two ranks of two NPUs: group 1 starts at device 4, past group 0's four.
+    from mtp_operator.local.launch import plan_groups
+
+    spec = sample_spec(nnodes=2, replicas=2, accelerator={"resourceName": "huawei.com/Ascend910", "count": 2})
+    ports = choose_ports(spec, 18100, 18199, groups=2)
+    assert ports == [(18100, 18199), (18104, 18200)]
+    _, second = plan_groups("tiny-npu", spec, LocalPaths.for_spec(spec, tmp_path), ports)
+    rank0, rank1 = second.ranks
+    assert rank0.argv[4:10] == ["2", "4", "0", "18104", "npu", "4"]
+    assert rank1.argv[4:10] == ["2", "4", "1", "18106", "npu", "6"]

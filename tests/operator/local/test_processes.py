@@ -209,3 +209,24 @@ def test_each_run_starts_its_logs_fresh_and_keeps_the_last_one(tmp_path):
     previous = (tmp_path / "rank-0.log.1").read_text()
     assert previous.count("rank up on") == 2 and "run before last" not in previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0.log", "rank-0.log.1"]
+
+
+def test_a_restart_in_two_halves_leaves_the_wait_to_the_caller(tmp_path):
+    # `mtp up` watches the other groups while one waits out its backoff.
+    (port,) = free_ports(1)
+    group = ProcessGroup([rank("rank-0", port)], tmp_path, restart_budget=1, restart_backoff=30)
+    group.start()
+    try:
+        wait_healthy(port)
+        before = group.pids()
+        started = time.monotonic()
+        assert group.begin_restart() == 30
+        assert time.monotonic() - started < 4  # killed at once, no waiting here
+        assert group.pids() == {} and not alive(before["rank-0"]) and group.restarts == 0
+        group.finish_restart()
+        assert group.restarts == 1 and set(group.pids().values()).isdisjoint(before.values())
+        wait_healthy(port)
+        with pytest.raises(RuntimeError, match="budget of 1"):
+            group.begin_restart()
+    finally:
+        group.stop(grace_seconds=0)
