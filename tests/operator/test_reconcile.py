@@ -150,3 +150,50 @@ def test_phase_events():
     kind, reason, message = phase_event({"phase": "Running"}, {"phase": "Failed", "conditions": [
         {"type": "Ready", "message": "export failed"}]})
     assert (kind, reason) == ("Warning", "PhaseFailed") and "Running -> Failed: export failed" == message
+
+
+def test_a_one_group_deployment_from_before_fleets_keeps_serving(make_cr):
+    """The previous release's objects: StatefulSet `ds` and pods without group labels or revisions, the
+    gang record at the top of status. The upgraded operator adopts them as group 0: no pod is deleted,
+    no rollout starts, the gang record carries over, the StatefulSet keeps its name and selector."""
+    cr = make_cr(changes={"export": None, "draftModel": {"path": "/models/d"}})
+    kube = RecordingKube()
+    plan_hash = step(cr, kube).status["templateHash"]
+    members = {"0": "u0/0", "1": "u1/0"}
+    old_status = {"phase": "Running", "templateHash": plan_hash, "appliedHash": "from-the-old-release",
+                  "gang": {"members": members, "restarts": 1}}
+    pods = [{"name": f"ds-{r}", "uid": f"u{r}", "component": c.COMPONENT_SERVER, "rank": r, "templateHash": plan_hash,
+             "ready": True, "restarts": 0, "terminating": False, "podIP": "10.0.0.1", "jobName": None,
+             "terminationMessage": "", "group": 0} for r in (0, 1)]  # pod_summary's group for an unlabelled pod
+    kube = RecordingKube()
+    out = step({**cr, "status": old_status}, kube, pods=pods,
+               statefulsets=[{"name": "ds", "templateHash": plan_hash, "group": 0, "revision": None}])
+    assert not [call for call in kube.calls if call[0] in ("delete_pods", "delete_statefulset")]
+    assert ("apply_statefulset", "ds") in kube.calls  # relabelled in place (OnDelete: its pods stay)
+    status = out.status
+    assert status["phase"] == "Running" and status["currentRevision"] == status["updateRevision"]
+    assert "rollout" not in status and status["groups"][0]["gang"]["members"] == members
+    assert status["groups"][0]["restarts"] == 1 and "gang" not in status
+
+
+def test_client_service_selects_rank_0_of_every_group(make_cr):
+    from mtp_operator.manifests import build_client_service, build_statefulset
+    from mtp_operator.plan import kubernetes_master_host, plan_deployment
+
+    spec = parse_spec(make_cr(changes={"replicas": 3})["spec"])
+    service = None
+    for group in range(3):
+        plan = plan_deployment("ds", "default", spec, master_host=kubernetes_master_host("ds", "default", group),
+                               settings=SETTINGS)
+        service = service or build_client_service(plan, spec, {"metadata": {"name": "ds", "namespace": "default", "uid": "u"}})
+        sts = build_statefulset(plan, spec, {"metadata": {"name": "ds", "namespace": "default", "uid": "u"}}, SETTINGS,
+                                group=group, revision="r1")
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        selector = service["spec"]["selector"]
+        for rank in range(spec.nnodes):
+            pod_labels = {**labels, c.LABEL_POD_INDEX: str(rank)}
+            selected = all(pod_labels.get(k) == v for k, v in selector.items())
+            assert selected == (rank == 0), (group, rank)
+        # Readiness gates the endpoints: rank 0's probe is /health, 200 only once its whole group is up.
+        assert sts["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert sts["metadata"]["name"] == ("ds" if group == 0 else f"ds-g{group}")
