@@ -34,7 +34,7 @@ from mtp_operator.observations import ExportObservation, GroupObservation, Obser
 from mtp_operator.plan import DeploymentPlan
 from mtp_operator.revisions import group_template, revision_hash
 from mtp_operator.spec import MtpDeploymentSpec
-from mtp_operator.status import compute_status, utc_now
+from mtp_operator.status import compute_status
 
 EXIT_OK = 0
 EXIT_FAILED = 1
