@@ -69,29 +69,28 @@ build_kube() {
     log "built ${want[*]} in $((SECONDS - start)) s"
 }
 
-build_kwok() {
-    [ -x "$cache/kwok" ] && return 0
-    need_go kwok
-    log "building kwok $KWOK_VERSION into $cache"
-    local tmp start=$SECONDS
+# build_one NAME VERSION COMMAND...: run COMMAND (which writes $tmp/NAME) unless NAME is cached.
+build_one() {
+    local name=$1 version=$2
+    shift 2
+    [ -x "$cache/$name" ] && return 0
+    need_go "$name"
+    log "building $name $version into $cache"
+    local start=$SECONDS
     tmp="$(mktemp -d "$cache/.build.XXXXXX")"
-    GOBIN="$tmp" GOFLAGS= go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
-    mv "$tmp/kwok" "$cache/kwok"
+    "$@"
+    mv "$tmp/$name" "$cache/$name"
     rmdir "$tmp"
-    log "built kwok in $((SECONDS - start)) s"
+    log "built $name in $((SECONDS - start)) s"
 }
 
-build_etcd() {
-    [ -x "$cache/etcd" ] && return 0
-    need_go etcd
-    log "building etcd $ETCD_VERSION into $cache"
-    local tmp start=$SECONDS
-    tmp="$(mktemp -d "$cache/.build.XXXXXX")"
+go_install_kwok() {
+    GOBIN="$tmp" GOFLAGS='' go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+}
+
+go_build_etcd() {
     (cd hack/control-plane/etcd && GOFLAGS=-mod=mod go build -trimpath -ldflags "-s -w" -o "$tmp/etcd" \
         go.etcd.io/etcd/server/v3)
-    mv "$tmp/etcd" "$cache/etcd"
-    rmdir "$tmp"
-    log "built etcd in $((SECONDS - start)) s"
 }
 
 assets_apiserver=""
@@ -103,12 +102,12 @@ if [ -n "$assets_apiserver" ]; then
 else
     build_kube kube-apiserver kube-controller-manager
 fi
-build_kwok
+build_one kwok "$KWOK_VERSION" go_install_kwok
 assets_etcd=""
 if [ -n "${KUBEBUILDER_ASSETS:-}" ] && [ -x "$KUBEBUILDER_ASSETS/etcd" ]; then
     assets_etcd="$KUBEBUILDER_ASSETS/etcd"
 else
-    build_etcd
+    build_one etcd "$ETCD_VERSION" go_build_etcd
 fi
 if [ -n "$assets_apiserver$assets_etcd" ]; then
     # envtest's binaries where given: a directory of links, so the cache keeps its own builds.

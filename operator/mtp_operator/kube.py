@@ -67,6 +67,13 @@ def selector(labels: Mapping[str, str], exclude: Mapping[str, str] | None = None
     return ",".join(parts)
 
 
+def _exists(exc: ApiException) -> bool:
+    """A create's 409 (the object exists: False, nothing to do); any other error is raised."""
+    if exc.status == 409:
+        return False
+    raise exc
+
+
 class KubeApi:
     def __init__(self, api_client: client.ApiClient):
         self.core = client.CoreV1Api(api_client)
@@ -79,9 +86,7 @@ class KubeApi:
             self.batch.create_namespaced_job(namespace, body, **CALL)
             return True
         except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
+            return _exists(exc)
 
     def apply_service(self, namespace: str, body: dict[str, Any]) -> None:
         try:
@@ -116,9 +121,7 @@ class KubeApi:
             self.apps.create_namespaced_controller_revision(namespace, body, **CALL)
             return True
         except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
+            return _exists(exc)
 
     def delete_controller_revision(self, namespace: str, name: str) -> None:
         try:
