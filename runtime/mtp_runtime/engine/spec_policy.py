@@ -25,7 +25,8 @@ bring speculation back once it agrees again. A probe of a higher k lasts
 `probe_steps` (2) steps because a step at a higher k than the one before
 verifies filler for the drafts the earlier step did not make (engine:
 `Sequence.num_real_drafts`; only real drafts are counted as evidence); a
-probe of a lower k only refreshes its cost and lasts one step.
+probe of a lower k only refreshes its cost, lasts one step and comes every
+fourth probe time.
 """
 
 from __future__ import annotations
@@ -220,9 +221,17 @@ class AdaptivePolicy:
         self._until_probe -= 1
         if self._until_probe <= 0:
             self._until_probe = self._next_probe_gap()
-            others = [k for k in range(self.max_k + 1) if k != self._current]
             self._probe_turn += 1
-            return self._start_probe(others[self._probe_turn % len(others)])
+            turn = self._probe_turn
+            higher = list(range(self._current + 1, self.max_k + 1))
+            lower = list(range(self._current))
+            # a higher k every time (its acceptance may have recovered); a lower k, whose cost is all
+            # there is to refresh (the load factor follows the machine meanwhile), every fourth time
+            if lower and (turn % 4 == 0 or not higher):
+                if turn % 4 == 0:
+                    return self._start_probe(lower[(turn // 4) % len(lower)])
+            elif higher:
+                return self._start_probe(higher[turn % len(higher)])
         return self._current
 
     def _start_probe(self, k: int) -> int:

@@ -128,10 +128,12 @@ def test_falls_back_to_no_speculation_when_the_draft_goes_bad_and_comes_back():
 
 
 def test_probes_keep_every_depth_measured_and_runs_repeat_from_the_seed():
-    chosen = run_policy(AdaptivePolicy(3, seed=5), lambda step: 0.9, 600)
+    chosen = run_policy(AdaptivePolicy(3, seed=5, probe_interval=16), lambda step: 0.9, 600)
     assert set(chosen[100:]) == {0, 1, 2, 3}
-    assert chosen == run_policy(AdaptivePolicy(3, seed=5), lambda step: 0.9, 600)
-    assert chosen != run_policy(AdaptivePolicy(3, seed=6), lambda step: 0.9, 600)
+    assert chosen == run_policy(AdaptivePolicy(3, seed=5, probe_interval=16), lambda step: 0.9, 600)
+    assert chosen != run_policy(AdaptivePolicy(3, seed=6, probe_interval=16), lambda step: 0.9, 600)
+    # at the deepest k only the cost refreshes remain: a probe every fourth probe time
+    assert sum(k != 3 for k in chosen[100:]) <= 500 / 16 / 4 + 3
 
 
 def test_unmeasured_depths_are_tried_first():
@@ -159,7 +161,9 @@ def test_probes_of_a_lower_k_take_one_step_and_of_a_higher_k_two():
         runs.append((chosen[i], j - i))
         i = j
     assert runs[0][0] == 1 and {k for k, _ in runs} == {0, 1, 2}
+    runs = runs[:-1]  # the last may be cut short by the end of the window
     assert all(n == 1 for k, n in runs if k == 0) and all(n == 2 for k, n in runs if k == 2)
+    assert sum(k == 2 for k, _ in runs) >= 3 * sum(k == 0 for k, _ in runs)  # lower k: every fourth probe
     assert policy.cost(0, 32) == 1.0  # the nearest measured bucket stands in for an unmeasured one
 
 
