@@ -24,8 +24,8 @@ SAMPLE = Path(__file__).resolve().parents[3] / "crds" / "samples" / "tiny-cpu.ya
 
 # A stand-in rank 0: /health (200 once HEALTH_AFTER seconds passed), /v1/models,
 # /v1/completions (answers with its own port), /metrics (the builtin engine's
-# counters DRAFT and ACCEPTED). Exits with code 3 after EXIT_AFTER seconds;
-# with CRASH_MARK, only the first time (it leaves that file behind).
+# counters DRAFT and ACCEPTED). Exits with code 3 after EXIT_AFTER seconds, or
+# as soon as the file CRASH_WHEN appears (removing it: its restart stays up).
 RANK_SCRIPT = textwrap.dedent(
     """
     import http.server, json, os, sys, threading, time
@@ -59,15 +59,15 @@ RANK_SCRIPT = textwrap.dedent(
             'No access log in the test output.'
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Rank)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    mark = env.get("CRASH_MARK")
-    if env.get("EXIT_AFTER") and not (mark and os.path.exists(mark)):
-        time.sleep(float(env["EXIT_AFTER"]))
-        if mark:
-            open(mark, "w").close()
-        print("stand-in rank giving up", flush=True)
-        sys.exit(3)
-    while True:
-        time.sleep(1)
+    trigger = env.get("CRASH_WHEN")
+    deadline = started + float(env.get("EXIT_AFTER", "inf"))
+    while time.monotonic() < deadline:
+        if trigger and os.path.exists(trigger):
+            os.remove(trigger)
+            break
+        time.sleep(0.05)
+    print("stand-in rank giving up", flush=True)
+    sys.exit(3)
     """
 )
 
@@ -158,16 +158,19 @@ def test_once_waits_for_every_group_and_asks_each_groups_rank_0(tmp_path):
 
 def test_a_crash_restarts_only_its_own_group(tmp_path):
     lines: list[str] = []
-    deployment = stand_in_fleet(tmp_path, [{}, {"EXIT_AFTER": "0.5", "CRASH_MARK": str(tmp_path / "crashed")}],
-                                lines, restart_budget=2)
+    trigger = tmp_path / "crash-now"
+    deployment = stand_in_fleet(tmp_path, [{}, {"CRASH_WHEN": str(trigger)}], lines, restart_budget=2)
     stop, thread, code = run_in_thread(deployment)
     try:
         status = wait_for(deployment, lambda s: s["readyReplicas"] == 2 and s["groups"][0]["gang"]["members"]
                           and s["groups"][1]["gang"]["members"], lines)
         before = [member_pid(status, 0), member_pid(status, 1)]
+        trigger.touch()
         status = wait_for(deployment, lambda s: s["groups"][1]["restarts"] == 1 and s["readyReplicas"] == 2
                           and s["groups"][1]["gang"]["members"], lines)
         after = [member_pid(status, 0), member_pid(status, 1)]
+        running = [run.processes.pids()[run.group.ranks[0].name] for run in deployment.runs]
+        assert running == after and alive(before[0])  # group 0's rank is the one it started with
     finally:
         stop.set()
         thread.join(30)
