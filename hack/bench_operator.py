@@ -21,7 +21,10 @@ mtp_operator.reconcile.reconcile in it is timed. Measures, in one run:
   5. a spec change (the image) on all F at once -> every group of every one rolled to the new
      revision (canary with analysisSeconds 0 and minDraftTokens 0, so it is judged at once;
      then maxUnavailable 1 group at a time): wall time, and per resource
-  6. reconcile calls: median and p95 while creating and rolling, median once idle
+  6. reconcile calls while creating and rolling: wall-clock and CPU (the calling thread's) median and
+     p95, and how much they overlap (kopf runs sync handlers in threads, so on few cores a call's wall
+     time includes waiting for the others); the wall-clock median once idle; API writes per
+     MtpDeployment while creating and while rolling
   7. the operator's peak RSS, and (peak - RSS before the first MtpDeployment) / F
   with --compare-kmock: kmock's per-request cost after K requests vs this server's,
   the reason the benchmark does not go through kmock
@@ -224,14 +227,15 @@ class Operator:
             self.process.kill()
         self.log.close()
 
-    def reconciles(self) -> list[tuple[float, float, str]]:
-        """(wall time at the end, milliseconds, MtpDeployment) of every reconcile call so far."""
+    def reconciles(self) -> list[tuple[float, float, float, str]]:
+        """(wall time at the end, milliseconds, CPU milliseconds of its thread, MtpDeployment) of every
+        reconcile call so far."""
         if not self.timings.exists():
             return []
         rows = []
         for line in self.timings.read_text().splitlines():
-            end, ms, name = line.split(" ", 2)
-            rows.append((float(end), float(ms), name))
+            end, ms, cpu_ms, name = line.split(" ", 3)
+            rows.append((float(end), float(ms), float(cpu_ms), name))
         return rows
 
 
@@ -244,13 +248,13 @@ def operator_child(timings: str, argv: list[str]) -> int:
     inner, out, lock = handlers.reconcile, open(timings, "a", buffering=1), threading.Lock()
 
     def timed_reconcile(body, *args, **kwargs):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
             return inner(body, *args, **kwargs)
         finally:
-            ms = (time.perf_counter() - started) * 1000
+            ms, cpu_ms = (time.perf_counter() - started) * 1000, (time.thread_time() - cpu_started) * 1000
             with lock:
-                out.write(f"{time.time():.6f} {ms:.3f} {body['metadata']['name']}\n")
+                out.write(f"{time.time():.6f} {ms:.3f} {cpu_ms:.3f} {body['metadata']['name']}\n")
 
     handlers.reconcile = timed_reconcile
     parser = argparse.ArgumentParser(prog="mtp operator")
@@ -333,6 +337,7 @@ async def fleet_case(n: int, replicas: int, reconcile_interval: float, idle_wind
         running_wall = time.time()
         await asyncio.sleep(2 * reconcile_interval)  # the last status patches land; nothing is rolling
         changed: dict[str, float] = {}
+        create_counts = server.request_counts.copy()
         roll_wall, started = time.time(), time.perf_counter()
         for name in names:
             watch.old_revision[name] = (server.objects[(CR_KEY, NS, name)].get("status") or {})["updateRevision"]
@@ -341,6 +346,7 @@ async def fleet_case(n: int, replicas: int, reconcile_interval: float, idle_wind
         await wait_for(lambda: len(watch.rolled_at) == n, timeout, f"{n} fleets of {replicas} rolled")
         roll_s = max(watch.rolled_at.values()) - started
         rolled_wall = time.time()
+        roll_counts = server.request_counts - create_counts
         await asyncio.sleep(reconcile_interval)
         idle_from, idle_requests = time.time(), server.requests
         await asyncio.sleep(idle_window)
@@ -351,8 +357,10 @@ async def fleet_case(n: int, replicas: int, reconcile_interval: float, idle_wind
         operator.stop()
         await server.stop()
     calls = operator.reconciles()
-    busy = [ms for end, ms, _ in calls if create_wall <= end <= rolled_wall]
-    idle = [ms for end, ms, _ in calls if end >= idle_from]
+    busy = [ms for end, ms, _, _ in calls if create_wall <= end <= rolled_wall]
+    busy_cpu = [cpu for end, _, cpu, _ in calls if create_wall <= end <= rolled_wall]
+    writes = ("post", "patch", "delete", "deletecollection")
+    idle = [ms for end, ms, _, _ in calls if end >= idle_from]
     create_latency = [watch.running_at[m] - created[m] for m in names]
     roll_latency = [watch.rolled_at[m] - changed[m] for m in names]
     return {
@@ -360,7 +368,13 @@ async def fleet_case(n: int, replicas: int, reconcile_interval: float, idle_wind
         "create_s": create_s, "create_per_resource_s_median": statistics.median(create_latency),
         "roll_s": roll_s, "roll_per_resource_s_median": statistics.median(roll_latency),
         "reconcile_ms_median": percentile(busy, 50), "reconcile_ms_p95": percentile(busy, 95),
+        "reconcile_cpu_ms_median": percentile(busy_cpu, 50), "reconcile_cpu_ms_p95": percentile(busy_cpu, 95),
         "reconcile_calls": len(busy), "idle_reconcile_ms_median": percentile(idle, 50),
+        # Summed reconcile time over wall time: above 1, calls overlap (kopf runs them in threads).
+        "reconcile_overlap": sum(busy) / 1000 / (rolled_wall - create_wall),
+        "create_writes_per_resource": sum(v for k, v in create_counts.items() if k.split()[0] in writes) / n,
+        "roll_writes_per_resource": sum(v for k, v in roll_counts.items() if k.split()[0] in writes) / n,
+        "roll_requests": dict(sorted(roll_counts.items())),
         "idle_requests_per_s": idle_rps, "base_rss_mb": base_kib / 1024, "peak_rss_mb": peak_kib / 1024,
         "rss_mb": rss_kib / 1024, "rss_per_resource_kb": (peak_kib - base_kib) / n,
         "create_ticks": create_s / reconcile_interval, "roll_ticks": roll_s / reconcile_interval,
@@ -395,17 +409,21 @@ async def compare_kmock(requests: int) -> dict:
             "fake_first50_ms": own[0], "fake_last50_ms": own[1]}
 
 
-FLEET_COLUMNS = (  # (heading, result key, format)
-    ("groups each", "replicas", "{:.0f}"), ("StatefulSets", "statefulsets", "{:.0f}"),
-    ("create -> all Running (s)", "create_s", "{:.1f}"), ("per resource, median (s)", "create_per_resource_s_median",
-                                                          "{:.1f}"),
-    ("reconcile median (ms)", "reconcile_ms_median", "{:.1f}"), ("reconcile p95 (ms)", "reconcile_ms_p95", "{:.1f}"),
-    ("reconcile calls", "reconcile_calls", "{:.0f}"), ("idle reconcile median (ms)", "idle_reconcile_ms_median",
-                                                       "{:.1f}"),
+_CASE = (("groups each", "replicas", "{:.0f}"), ("StatefulSets", "statefulsets", "{:.0f}"))
+TIME_COLUMNS = _CASE + (  # (heading, result key, format)
+    ("create -> all Running (s)", "create_s", "{:.1f}"),
+    ("per resource, median (s)", "create_per_resource_s_median", "{:.1f}"),
+    ("spec change -> all rolled (s)", "roll_s", "{:.1f}"),
+    ("per resource, median (s)", "roll_per_resource_s_median", "{:.1f}"),
+    ("in reconcile ticks", "roll_ticks", "{:.1f}"), ("stale after roll", "stale_after_roll", "{:.0f}"),
+)
+COST_COLUMNS = _CASE + (
+    ("reconcile median (ms)", "reconcile_ms_median", "{:.1f}"), ("p95 (ms)", "reconcile_ms_p95", "{:.1f}"),
+    ("CPU median (ms)", "reconcile_cpu_ms_median", "{:.1f}"), ("CPU p95 (ms)", "reconcile_cpu_ms_p95", "{:.1f}"),
+    ("overlap", "reconcile_overlap", "{:.1f}"), ("idle median (ms)", "idle_reconcile_ms_median", "{:.1f}"),
     ("peak RSS (MB)", "peak_rss_mb", "{:.1f}"), ("RSS per MtpDeployment (KB)", "rss_per_resource_kb", "{:.0f}"),
-    ("spec change -> all rolled (s)", "roll_s", "{:.1f}"), ("per resource, median (s)", "roll_per_resource_s_median",
-                                                            "{:.1f}"),
-    ("stale after roll", "stale_after_roll", "{:.0f}"),
+    ("writes per create", "create_writes_per_resource", "{:.0f}"),
+    ("writes per rollout", "roll_writes_per_resource", "{:.0f}"),
 )
 
 
@@ -420,16 +438,16 @@ def median_case(rounds: list[dict]) -> dict:
     return out
 
 
-def fleet_table(cases: list[dict]) -> list[str]:
-    """Markdown rows: one per case, then the ratio of the largest case to the smallest (per group, too)."""
-    lines = ["| " + " | ".join(h for h, _, _ in FLEET_COLUMNS) + " |", "|" + "---|" * len(FLEET_COLUMNS)]
+def fleet_table(cases: list[dict], columns: tuple = COST_COLUMNS) -> list[str]:
+    """Markdown rows: one per case, then the ratio of the largest case to the smallest."""
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
     for case in cases:
-        lines.append("| " + " | ".join(fmt.format(case[key]) for _, key, fmt in FLEET_COLUMNS) + " |")
+        lines.append("| " + " | ".join(fmt.format(case[key]) for _, key, fmt in columns) + " |")
     if len(cases) > 1:
         small, large = cases[0], cases[-1]
         scale = large["replicas"] / small["replicas"]
         ratios = []
-        for _, key, _ in FLEET_COLUMNS:
+        for _, key, _ in columns:
             if key in ("replicas", "statefulsets", "stale_after_roll") or not small[key]:
                 ratios.append(f"{large[key] / small[key]:.1f}x" if small[key] else "-")
             else:
@@ -498,7 +516,7 @@ def main() -> int:
                    f"and round, medians of {args.rounds} round(s); reconcile timer "
                    f"{args.fleet_reconcile_interval} s, pods Ready at once, probes off; canary analysisSeconds 0, "
                    f"minDraftTokens 0, maxUnavailable 1")
-        table = fleet_table(cases)
+        table = fleet_table(cases, TIME_COLUMNS) + [""] + fleet_table(cases, COST_COLUMNS)
         print("\n" + heading + "\n" + "\n".join(table))
         md += ["## Fleets", "", heading + ".", ""] + table + [""]
     if args.compare_kmock:

@@ -20,6 +20,7 @@ matching reactions, which dominates at hundreds of objects).
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import hashlib
 import json
@@ -115,6 +116,7 @@ class FakeApiServer:
         self.changed: dict[str, asyncio.Condition] = {}
         self.version = 0
         self.requests = 0
+        self.request_counts: collections.Counter[str] = collections.Counter()  # "VERB resource": calls
         self.on_create: list[Callable[[str, dict], Any]] = []
         self.on_event: list[Callable[[str, str, dict], Any]] = []  # after every stored change
         self.runner: web.AppRunner | None = None
@@ -158,6 +160,9 @@ class FakeApiServer:
             return web.json_response(self._discovery(parts))
         key, namespace, name, sub = self._parse(request)
         method = request.method
+        verb = {"GET": "watch" if request.query.get("watch") in ("true", "1") else ("list" if name is None else "get"),
+                "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
+        self.request_counts[f"{verb} {key.rsplit('/', 1)[1]}{'/' + sub if sub else ''}"] += 1
         if method == "GET" and name is None:
             if request.query.get("watch") in ("true", "1"):
                 return await self._watch(request, key, namespace)
