@@ -182,7 +182,7 @@ class LLMEngine:
                     self.scheduler.abort(seq)
                     aborted.append(seq)
 
-    def seed_policy(self, reps: int = 3) -> float:
+    def seed_policy(self, reps: int = 5) -> float:
         """Adaptive depth's warm-up: time dummy decode steps at every k and batch-size bucket (in
         blocks no sequence owns yet; a slot is written before it is read) so the first real steps
         choose from measured costs. Returns the seconds it took."""
@@ -202,9 +202,11 @@ class LLMEngine:
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         cached = 48
         width = -(-(cached + 1 + 2 * self.config.num_speculative_tokens) // self.config.block_size)
+        # The depths take turns within each repeat, so a change in the machine's load between them
+        # (other work on its cores) hits every k alike instead of skewing their ratios.
         for b in bucket_sizes(self.config.max_seqs_per_batch):
-            for k in self.runner.step_depths():
-                for rep in range(reps + 1):
+            for rep in range(reps + 1):
+                for k in self.runner.step_depths():
                     seqs = []
                     for i in range(b):
                         seq = Sequence(f"policy-warm-up-{i}", [1] * (cached + 1), params, cached + 2)
