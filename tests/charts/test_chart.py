@@ -217,7 +217,7 @@ def test_settings_env_is_what_the_operator_reads(chart):
     samples = {"runtimeImage": "r:1", "npuRuntimeImage": "n:1", "imagePullSecrets": "a,b",
                "metricsInterval": 7, "gangRestartBudget": 2, "gangRestartBackoff": 3, "reconcileInterval": 4,
                "healthTimeout": 1.5, "metricsTimeout": 2.5, "probePods": False,
-               "allowedHostPathPrefixes": "/mnt/models,/data"}
+               "allowedHostPathPrefixes": "/mnt/models,/data", "revisionHistory": 3}
     assert set(defaults["settings"]) == set(samples), "new settings key: add a sample value here"
     # Every setting the operator reads can be set from the chart; the watch
     # scope and the health port come from rbac.* and healthPort.
