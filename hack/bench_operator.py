@@ -24,7 +24,8 @@ mtp_operator.reconcile.reconcile in it is timed. Measures, in one run:
   6. reconcile calls while creating and rolling: wall-clock and CPU (the calling thread's) median and
      p95, and how much they overlap (kopf runs sync handlers in threads, so on few cores a call's wall
      time includes waiting for the others); the wall-clock median once idle; API writes per
-     MtpDeployment while creating and while rolling
+     MtpDeployment while creating and while rolling; the operator's CPU seconds while rolling; API
+     requests per second once everything is rolled and idle (a settled operator should send none)
   7. the operator's peak RSS, and (peak - RSS before the first MtpDeployment) / F
   with --compare-kmock: kmock's per-request cost after K requests vs this server's,
   the reason the benchmark does not go through kmock
@@ -95,6 +96,12 @@ def http_status(url: str) -> int:
 
     with urllib.request.urlopen(url, timeout=5) as response:
         return response.status
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def vm_kib(pid: int, field: str) -> int:
@@ -329,7 +336,7 @@ async def fleet_case(n: int, replicas: int, reconcile_interval: float, idle_wind
         await operator.ready(server)
         base_kib = vm_kib(operator.pid, "VmRSS")
         created: dict[str, float] = {}
-        create_wall, started = time.time(), time.perf_counter()
+        create_wall, started, cpu_at_create = time.time(), time.perf_counter(), cpu_seconds(operator.pid)
         for name in names:
             created[name] = await bench.create(name, replicas)
         await wait_for(lambda: len(watch.running_at) == n, timeout, f"{n} fleets of {replicas} Running")
@@ -337,7 +344,7 @@ async def fleet_case(n: int, replicas: int, reconcile_interval: float, idle_wind
         running_wall = time.time()
         await asyncio.sleep(2 * reconcile_interval)  # the last status patches land; nothing is rolling
         changed: dict[str, float] = {}
-        create_counts = server.request_counts.copy()
+        create_counts, cpu_at_roll = server.request_counts.copy(), cpu_seconds(operator.pid)
         roll_wall, started = time.time(), time.perf_counter()
         for name in names:
             watch.old_revision[name] = (server.objects[(CR_KEY, NS, name)].get("status") or {})["updateRevision"]
@@ -347,6 +354,7 @@ async def fleet_case(n: int, replicas: int, reconcile_interval: float, idle_wind
         roll_s = max(watch.rolled_at.values()) - started
         rolled_wall = time.time()
         roll_counts = server.request_counts - create_counts
+        cpu_at_rolled = cpu_seconds(operator.pid)
         await asyncio.sleep(reconcile_interval)
         idle_from, idle_requests = time.time(), server.requests
         await asyncio.sleep(idle_window)
@@ -375,7 +383,9 @@ async def fleet_case(n: int, replicas: int, reconcile_interval: float, idle_wind
         "create_writes_per_resource": sum(v for k, v in create_counts.items() if k.split()[0] in writes) / n,
         "roll_writes_per_resource": sum(v for k, v in roll_counts.items() if k.split()[0] in writes) / n,
         "roll_requests": dict(sorted(roll_counts.items())),
-        "idle_requests_per_s": idle_rps, "base_rss_mb": base_kib / 1024, "peak_rss_mb": peak_kib / 1024,
+        "idle_requests_per_s": idle_rps, "create_cpu_s": cpu_at_roll - cpu_at_create,
+        "roll_cpu_s": cpu_at_rolled - cpu_at_roll, "roll_cpu_fraction": (cpu_at_rolled - cpu_at_roll) / roll_s,
+        "base_rss_mb": base_kib / 1024, "peak_rss_mb": peak_kib / 1024,
         "rss_mb": rss_kib / 1024, "rss_per_resource_kb": (peak_kib - base_kib) / n,
         "create_ticks": create_s / reconcile_interval, "roll_ticks": roll_s / reconcile_interval,
         "running_to_change_s": roll_wall - running_wall, "stale_after_roll": stale,
@@ -424,6 +434,8 @@ COST_COLUMNS = _CASE + (
     ("peak RSS (MB)", "peak_rss_mb", "{:.1f}"), ("RSS per MtpDeployment (KB)", "rss_per_resource_kb", "{:.0f}"),
     ("writes per create", "create_writes_per_resource", "{:.0f}"),
     ("writes per rollout", "roll_writes_per_resource", "{:.0f}"),
+    ("operator CPU while rolling (s)", "roll_cpu_s", "{:.1f}"),
+    ("idle API requests/s", "idle_requests_per_s", "{:.1f}"),
 )
 
 

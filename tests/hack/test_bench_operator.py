@@ -95,7 +95,8 @@ def test_rounds_combine_into_medians_and_a_ratio_row():
             "reconcile_calls": 10, "idle_reconcile_ms_median": 5.0, "peak_rss_mb": 100.0,
             "rss_per_resource_kb": 500.0, "stale_after_roll": 0, "operator_log": "x", "reconcile_cpu_ms_median": 4.0,
             "reconcile_cpu_ms_p95": 8.0, "reconcile_overlap": 1.5, "create_writes_per_resource": 6.0,
-            "roll_writes_per_resource": 9.0, "roll_ticks": 2.0, "roll_requests": {"post pods": 1}}
+            "roll_writes_per_resource": 9.0, "roll_ticks": 2.0, "roll_cpu_s": 1.0, "idle_requests_per_s": 0.0,
+            "roll_requests": {"post pods": 1}}
     one = [dict(base, replicas=1, create_s=s, stale_after_roll=stale) for s, stale in ((1.0, 0), (3.0, 1), (2.0, 0))]
     case1 = bench.median_case(one)
     assert case1["create_s"] == 2.0 and case1["stale_after_roll"] == 1 and case1["rounds"] == 3
