@@ -208,9 +208,21 @@ def with_conditions_of(status: dict[str, Any], observed: dict[str, Any] | None) 
     return {**status, "conditions": own + foreign_conditions(observed)}
 
 
-def status_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
-    """A merge patch turning `old` into `new` (None deletes); empty when nothing changed."""
-    old = old or {}
-    patch: dict[str, Any] = {k: v for k, v in new.items() if old.get(k) != v}
-    patch.update({k: None for k in old if k not in new and k != "kopf"})
+def _merge_diff(old: dict[str, Any], new: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if before == value:
+            continue
+        if isinstance(before, dict) and isinstance(value, dict):
+            patch[key] = _merge_diff(before, value)  # a key the new dict lacks must be deleted too
+        else:
+            patch[key] = value
+    patch.update({k: None for k in old if k not in new and k not in keep})
     return patch
+
+
+def status_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch turning `old` into `new` (None deletes, at any depth: a merge patch keeps the keys
+    of a nested object it does not mention); empty when nothing changed."""
+    return _merge_diff(old or {}, new, keep=("kopf",))

@@ -135,3 +135,14 @@ def test_mean_chosen_k_is_in_the_status_and_its_schema():
     jsonschema.Draft4Validator(schema).validate(status)
     assert "meanSpeculativeTokens" not in compute_status(None, obs(stats=stats(0.7)), min_acceptance_rate=None,
                                                          now="T1")["speculative"]
+
+
+def test_status_changes_delete_nested_keys_the_new_status_lacks():
+    """A merge patch keeps what it does not mention: a finished rollout's keys must be nulled, or the
+    next reconcile finds them again and patches forever."""
+    old = {"phase": "Running", "rollout": {"phase": "Rolling", "canaryGroups": [3], "lastResult": "passed"}}
+    new = {"phase": "Running", "rollout": {"lastResult": "passed"}}
+    patch = status_changes(old, new)
+    assert patch == {"rollout": {"phase": None, "canaryGroups": None}}
+    applied = {**old, "rollout": {k: v for k, v in {**old["rollout"], **patch["rollout"]}.items() if v is not None}}
+    assert applied == new and status_changes(applied, new) == {}
