@@ -120,6 +120,7 @@ class FakeApiServer:
         self.on_create: list[Callable[[str, dict], Any]] = []
         self.on_event: list[Callable[[str, str, dict], Any]] = []  # after every stored change
         self.runner: web.AppRunner | None = None
+        self.stopping = False  # ends every watch stream (else stop() waits out aiohttp's shutdown timeout)
 
     # --- storage -----------------------------------------------------------
     def _bump(self, obj: dict) -> None:
@@ -292,7 +293,7 @@ class FakeApiServer:
         since = int(request.query.get("resourceVersion") or self.version)
         cond = self.changed.setdefault(key, asyncio.Condition())
         position = 0
-        while True:
+        while not self.stopping:
             log = self.events[key]
             while position < len(log):
                 version, event = log[position]
@@ -301,8 +302,9 @@ class FakeApiServer:
                 if version > since and (namespace is None or ns == namespace):
                     await response.write(json.dumps(event).encode() + b"\n")
             async with cond:
-                if position >= len(self.events[key]):
+                if position >= len(self.events[key]) and not self.stopping:
                     await cond.wait()
+        return response
 
     async def start(self, host: str = "127.0.0.1") -> str:
         app = web.Application(client_max_size=16 * 1024 * 1024)
@@ -315,6 +317,10 @@ class FakeApiServer:
         return f"http://{host}:{port}"
 
     async def stop(self) -> None:
+        self.stopping = True
+        for cond in self.changed.values():
+            async with cond:
+                cond.notify_all()
         if self.runner is not None:
             await self.runner.cleanup()
 
