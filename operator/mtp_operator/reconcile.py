@@ -289,6 +289,7 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, stats: tuple[SpecDecode
     })
     if decision.state:
         status["rollout"] = decision.state
+    _serving_while_changing(status, ready_groups, spec, rolling=decision.current != update or not draft_ready)
     if status["phase"] not in ("Failed", "Exporting") and (decision.progressing[0] or
                                                            decision.progressing[1] == "CanaryFailed"):
         for cond in status["conditions"]:
@@ -304,6 +305,24 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, stats: tuple[SpecDecode
     for stale in stale_revisions(cluster.revisions, in_use, settings.revision_history):
         kube.delete_controller_revision(namespace, stale)
     return Outcome(status, events)
+
+
+def _serving_while_changing(status: dict[str, Any], ready_groups: int, spec: MtpDeploymentSpec,
+                            rolling: bool) -> None:
+    """While a new revision exports or rolls out, the fleet is up as long as enough groups serve
+    (replicas - maxUnavailable, at least one): Ready stays True (`kubectl wait`, GitOps health) and
+    Progressing says what is changing."""
+    needed = max(1, spec.replicas - spec.rollout.max_unavailable)
+    if not rolling or status["phase"] not in ("Exporting", "Starting") or ready_groups < needed:
+        return
+    status["phase"] = "Running"
+    for cond in status["conditions"]:
+        if cond["type"] == c.CONDITION_READY:
+            if cond["status"] != "True":
+                cond["lastTransitionTime"] = utc_now()
+            cond.update({"status": "True", "reason": "GroupsServing",
+                         "message": f"{ready_groups}/{spec.replicas} groups ready while a new revision "
+                                    f"{'exports' if status.get('updateRevision') == status.get('currentRevision') else 'rolls out'}"})
 
 
 def phase_event(old_status: Mapping[str, Any] | None, status: Mapping[str, Any]) -> tuple[str, str, str] | None:

@@ -197,3 +197,32 @@ def test_client_service_selects_rank_0_of_every_group(make_cr):
         # Readiness gates the endpoints: rank 0's probe is /health, 200 only once its whole group is up.
         assert sts["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
         assert sts["metadata"]["name"] == ("ds" if group == 0 else f"ds-g{group}")
+
+
+def test_a_new_revision_exporting_leaves_the_serving_fleet_ready(make_cr):
+    """A spec change with a new export: the old revision's groups keep serving, so Ready stays True
+    and Progressing says the export runs; nothing rolls until the draft is ready."""
+    cr = make_cr()
+    kube = RecordingKube()
+    job = step(cr, kube).status["exportJob"]
+    done = [{"name": job, "succeeded": True, "failed": False}]
+    first = step(cr, RecordingKube(), jobs=done)
+    rev = first.status["updateRevision"]
+    plan_hash = first.status["groups"][0]["templateHash"]
+    pods = [{"name": f"ds-{r}", "uid": f"u{r}", "component": c.COMPONENT_SERVER, "rank": r, "templateHash": plan_hash,
+             "ready": True, "restarts": 0, "terminating": False, "podIP": "10.0.0.1", "jobName": None,
+             "terminationMessage": "", "group": 0} for r in (0, 1)]
+    sets = [{"name": "ds", "group": 0, "revision": rev, "templateHash": plan_hash}]
+    running = step({**cr, "status": first.status}, RecordingKube(), jobs=done, pods=pods, statefulsets=sets)
+    assert running.status["phase"] == "Running"
+    changed = make_cr(changes={"export": {"outputPath": "/models/ds-mtp2"}}, generation=2)
+    kube = RecordingKube()
+    out = reconcile({**changed, "status": running.status}, Cluster(kube, SETTINGS, done, pods, sets,
+                                                                   [revision_of(cr), revision_of(changed)]),
+                    None, now=1000.0)
+    assert [call[0] for call in kube.calls].count("create_job") == 1
+    assert not [call for call in kube.calls if call[0] == "delete_pods"], "nothing rolls before the draft exists"
+    assert out.status["phase"] == "Running" and cond(out.status, "Ready")["status"] == "True"
+    assert cond(out.status, "Ready")["reason"] == "GroupsServing"
+    assert cond(out.status, "DraftReady")["status"] == "False" and cond(out.status, "Progressing")["status"] == "True"
+    assert out.status["currentRevision"] == rev != out.status["updateRevision"]
