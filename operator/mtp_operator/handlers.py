@@ -188,8 +188,10 @@ def scrape_rank0(body: kopf.Body, memo: kopf.Memo, pods: kopf.Index, settings: O
         group_stats[group] = interval_stats(previous[1] if previous else None, counters,
                                             spec.speculative.num_speculative_tokens)
         latest[group] = (rank0["uid"], counters)
-        group_counters[group] = Counters(rank0["uid"], counters.draft_tokens or 0.0, counters.accepted_tokens or 0.0,
-                                         counters.tpot_sum or 0.0, counters.tpot_count or 0.0)
+        # The pod and its container restarts: a restarted container counts from zero again.
+        group_counters[group] = Counters(f"{rank0['uid']}/{rank0.get('restarts', 0)}", counters.draft_tokens or 0.0,
+                                         counters.accepted_tokens or 0.0, counters.tpot_sum or 0.0,
+                                         counters.tpot_count or 0.0)
     if not group_stats:
         return False
     memo["counters"] = latest

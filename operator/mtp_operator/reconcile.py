@@ -197,25 +197,27 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, stats: tuple[SpecDecode
                               baseline=_baseline(old_status), now=now)
     events += decision.events
 
-    applied = old_status.get("appliedHash")
+    applied = old_status.get("appliedHash")  # the Services as last applied; each group's in groups[]
+    applied_groups: dict[int, str] = {}
     group_plans: dict[int, tuple[str, DeploymentPlan, MtpDeploymentSpec]] = {}
     if draft_ready or sets:
-        desired = [build_headless_service(plan, body), build_client_service(plan, spec, body)]
+        services = [build_headless_service(plan, body), build_client_service(plan, spec, body)]
+        missing = any(g not in sets for g in decision.targets)
+        if _digest(services) != applied or missing:
+            for service in services:
+                kube.apply_service(namespace, service)
+            applied = _digest(services)
         for g, rev in sorted(decision.targets.items()):
             group_plan, group_spec = revisions.plan(rev, g), revisions.spec(rev)
             if group_plan is None or group_spec is None:
                 events.append(("Warning", "RevisionMissing", f"group {g}: revision {rev} is gone; keeping it as is"))
                 continue
             group_plans[g] = (rev, group_plan, group_spec)
-            desired.append(build_statefulset(group_plan, group_spec, body, settings, group=g, revision=rev))
-        digest = _digest(desired)
-        missing = any(g not in sets for g in group_plans)
-        if digest != applied or missing:
-            for service in desired[:2]:
-                kube.apply_service(namespace, service)
-            for statefulset in desired[2:]:
+            statefulset = build_statefulset(group_plan, group_spec, body, settings, group=g, revision=rev)
+            # Only the groups whose StatefulSet changed: a rollout step touches the groups it moves.
+            applied_groups[g] = _digest([statefulset])
+            if applied_groups[g] != old_groups.get(g, {}).get("appliedHash") or g not in sets:
                 kube.apply_statefulset(namespace, statefulset)
-            applied = digest
         for g, s in sets.items():
             if g not in decision.targets:
                 kube.delete_statefulset(namespace, s["name"])
@@ -256,7 +258,7 @@ def reconcile(body: Mapping[str, Any], cluster: Cluster, stats: tuple[SpecDecode
                                                                      not in (None, rev) else "Starting")
         entry = {"index": g, "revision": rev, "statefulSet": statefulset_name(name, g),
                  "readyNodes": ready_nodes, "phase": phase, "restarts": gang.record.get("restarts", 0),
-                 "templateHash": group_plan.template_hash, "gang": gang.record}
+                 "templateHash": group_plan.template_hash, "appliedHash": applied_groups[g], "gang": gang.record}
         if figures is not None:
             entry.update({k: v for k, v in (("acceptanceRate", figures.acceptance_rate),
                                              ("timePerOutputTokenSeconds", figures.time_per_output_token_seconds),

@@ -57,8 +57,10 @@ class Counters:
                    float(data.get("tpotSum", 0)), float(data.get("tpotCount", 0)))
 
     def since(self, start: "Counters | None") -> "Counters":
-        if start is None or start.uid != self.uid or start.draft > self.draft:
-            return self  # another pod (or a reset): everything it counted is in the window
+        if start is None or start.uid != self.uid or any(
+                before > now for before, now in ((start.draft, self.draft), (start.accepted, self.accepted),
+                                                 (start.tpot_sum, self.tpot_sum), (start.tpot_count, self.tpot_count))):
+            return self  # another pod, or counters that went back (a restart): all they count is in the window
         return Counters(self.uid, self.draft - start.draft, self.accepted - start.accepted,
                         self.tpot_sum - start.tpot_sum, self.tpot_count - start.tpot_count)
 

@@ -72,6 +72,7 @@ class GroupStatus(ApiModel):
     time_per_output_token_seconds: float | None = None
     draft_tokens: int | None = None
     template_hash: str | None = None
+    applied_hash: str | None = Field(None, description="Digest of the group's StatefulSet as last applied.")
     gang: GangStatus | None = None
 
 

@@ -125,8 +125,14 @@ def test_kubectl_scale_hpa_gang_isolation_and_deletion(control_plane, kube, name
 
     # Deleting the MtpDeployment removes every group (the garbage collector).
     kube.call("DELETE", kube.cr_path(namespace, "ds"))
-    kube.eventually(lambda: not statefulsets(kube, namespace) and not kube.items(
-        f"/api/v1/namespaces/{namespace}/pods", f"{c.LABEL_DEPLOYMENT}=ds") or None, 60, "every group gone")
+    def left() -> list[str]:
+        pods = kube.items(f"/api/v1/namespaces/{namespace}/pods", f"{c.LABEL_DEPLOYMENT}=ds")
+        return sorted(statefulsets(kube, namespace)) + [p["metadata"]["name"] for p in pods]
+
+    try:
+        kube.eventually(lambda: not left() or None, 120, "every group gone")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still there: {left()}") from None
 
 
 ACCEPTANCE_BY_IMAGE = {"registry.example/mtp/runtime:1": 0.85, "registry.example/mtp/runtime:bad-draft": 0.30,

@@ -226,3 +226,11 @@ def test_canary_restarting_resets_the_analysis():
     fleet.ready[1] = False  # the canary group went down (a gang restart)
     decision = fleet.step(NEW, policy(), 2, 15.0)
     assert decision.state["phase"] == "Canary" and "analysisStart" not in decision.state
+
+
+def test_counters_that_went_back_start_the_window_afresh():
+    start = Counters("pod/0", draft=1400, accepted=1190, tpot_sum=14, tpot_count=1400)
+    assert Counters("pod/0", 1600, 1250, 16, 1600).since(start) == Counters("pod/0", 200, 60, 2, 200)
+    reset = Counters("pod/0", 1600, 480, 16, 1600)  # accepted went back: another life of the server
+    assert reset.since(start) == reset
+    assert Counters("pod/1", 10, 9, 0.1, 10).since(start) == Counters("pod/1", 10, 9, 0.1, 10)
