@@ -255,10 +255,8 @@ def decide_rollout(groups: list[GroupView], *, replicas: int, policy: RolloutPol
         if budget <= 0:
             break
         if targets[i] != update:
-            targets[i] = update
+            targets[i] = update  # one fewer group ready while it updates
             budget -= 1
-            if group_on(i, current):  # it was serving: one fewer ready while it updates
-                pass
     if all(group_on(i, update) for i in range(replicas)):
         return _complete(by_index, replicas, update, state, events, f"all {replicas} group(s) on {update}")
     pending = [i for i in range(replicas) if not group_on(i, update)]
