@@ -23,6 +23,11 @@ from mtp_operator.spec import MtpDeploymentSpec
 
 ANNOTATION_EXPORT_FINGERPRINT = f"{c.GROUP}/export-fingerprint"
 SHM_VOLUME = "dshm"
+# The runtime's compiled graphs (graph mode, the default of the builtin engine): an emptyDir, so a
+# restarted container loads them instead of compiling again. Under /opt/mtp, where no spec may mount.
+COMPILE_CACHE_VOLUME = "compile-cache"
+COMPILE_CACHE_PATH = "/opt/mtp/compile-cache"
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
@@ -157,6 +162,11 @@ def build_client_service(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: M
     }
 
 
+def _compile_cache(plan: DeploymentPlan) -> bool:
+    """Whether the pods get the compile-cache volume: yes, unless the spec names its own cache."""
+    return COMPILE_CACHE_ENV not in plan.pod_env and COMPILE_CACHE_ENV not in plan.pod_ref_env
+
+
 def _server_container(plan: DeploymentPlan, spec: MtpDeploymentSpec) -> dict[str, Any]:
     env = [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}} for k, path in plan.pod_field_env.items()]
     env += [{"name": k, "value": v} for k, v in plan.pod_env.items()]
@@ -165,6 +175,9 @@ def _server_container(plan: DeploymentPlan, spec: MtpDeploymentSpec) -> dict[str
     mounts = [{"name": c.MODEL_VOLUME_NAME, "mountPath": spec.model.mount_path, "readOnly": True}]
     if plan.accelerator_kind != "cpu":
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    if _compile_cache(plan):
+        env.append({"name": COMPILE_CACHE_ENV, "value": f"{COMPILE_CACHE_PATH}/inductor"})
+        mounts.append({"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_PATH})
     container: dict[str, Any] = {
         "name": c.CONTAINER_SERVER, "image": plan.image, "command": plan.pod_argv[:1], "args": plan.pod_argv[1:],
         "env": env, "volumeMounts": mounts,
@@ -191,6 +204,8 @@ def build_statefulset(plan: DeploymentPlan, spec: MtpDeploymentSpec, owner: Mapp
     volumes = [_model_volume(spec, read_only=True)]
     if plan.accelerator_kind != "cpu":
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+    if _compile_cache(plan):
+        volumes.append({"name": COMPILE_CACHE_VOLUME, "emptyDir": {}})
     pod_spec: dict[str, Any] = {"containers": [_server_container(plan, spec)], "volumes": volumes,
                                 "securityContext": pod_security_context(spec, plan.accelerator_kind),
                                 "subdomain": headless_service_name(plan.name),

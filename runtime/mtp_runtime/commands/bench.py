@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="0 (default): greedy; > 0: sampled, seeded per request, so acceptance is "
                              "speculative sampling's")
     parser.add_argument("--startup-timeout", type=_positive, default=900,
-                        help="seconds each local server may take to load (and with --enable_graph, compile) "
+                        help="seconds each local server may take to load (and in graph mode, the default, compile) "
                              "before its /health answers 200")
     parser.add_argument("--out", default="bench-results", help="output directory")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")

@@ -24,7 +24,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # explicit block count (tests, tiny budgets); None: sized from memory
     seed: int = 0  # generator for requests without their own seed
-    enable_graph: bool = False  # decode/verify/draft forwards compiled (torch.compile); start-up compiles them
+    # Decode/verify/draft forwards compiled (torch.compile; start-up compiles them, or loads them from the
+    # disk cache). None: graph mode wherever it can run (models/graph.py, resolve_graph); False: eager.
+    enable_graph: bool | None = None
     # Adaptive depth: num_speculative_tokens is the largest k; every step picks k in 0..K (engine/spec_policy.py)
     speculative_adaptive: bool = False
 
@@ -51,8 +53,10 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda", "npu"),
                "device", self.device, "cpu, cuda[:i] or npu[:i]")
-        for name in ("enable_prefix_cache", "enable_chunked_prefill", "enable_graph", "speculative_adaptive"):
+        for name in ("enable_prefix_cache", "enable_chunked_prefill", "speculative_adaptive"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
+        _check(self.enable_graph is None or isinstance(self.enable_graph, bool), "enable_graph", self.enable_graph,
+               "true, false or unset (None: graph mode where it can run)")
         if self.speculative_adaptive and not self.num_speculative_tokens:
             raise ValueError("EngineConfig.speculative_adaptive=True needs num_speculative_tokens >= 1: it is the "
                              "largest k adaptive depth may choose")

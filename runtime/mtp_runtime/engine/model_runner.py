@@ -22,7 +22,7 @@ from mtp_runtime.engine.sampler import RowParams, probabilities, sample_from, sp
 from mtp_runtime.engine.scheduler import ScheduledBatch
 from mtp_runtime.engine.sequence import Sequence
 from mtp_runtime.layers.attention import AttentionMetadata, RowSelection
-from mtp_runtime.models.graph import warm_up
+from mtp_runtime.models.graph import CompileCounts, announce, compile_cache_dir, resolve_graph, warm_up
 from mtp_runtime.models.loader import load_draft, load_model
 
 log = logging.getLogger("mtp_runtime.engine")
@@ -68,10 +68,11 @@ class ModelRunner:
             self.draft = load_draft(config.draft_model or config.model, main=self.main, dtype=self.dtype,
                                     device=config.device)
         self.model_config = self.main.config
-        if config.enable_graph:
-            if self.model_config.arch == "deepseek_v32":
-                raise ValueError("enable_graph: not supported for deepseek_v32 in this build (its indexer picks "
-                                 "keys sequence by sequence); run it without --enable_graph")
+        self.graph = resolve_graph(config.enable_graph, self.model_config.arch, config.device)
+        self.graph_enabled = self.graph.enabled
+        self.graph_compile_counts = CompileCounts()
+        if self.graph_enabled:
+            self.graph_cache_dir = compile_cache_dir()
             self.main.enable_graph()
             if self.draft is not None:
                 self.draft.enable_graph()
@@ -91,14 +92,14 @@ class ModelRunner:
         # one graph for each k a step may have (0..K with adaptive depth; its k = 0 step also writes
         # the draft cache's keys, ModelRunner._propose).
         self.decode_steps: dict[int, GreedyDecodeStep] = {}
-        if config.enable_graph and self.model_config.arch in ONE_CALL_ARCHS:
+        if self.graph_enabled and self.model_config.arch in ONE_CALL_ARCHS:
             for k in self.step_depths():
                 self.decode_steps[k] = GreedyDecodeStep(self.main, self.draft, k, self.block_size,
                                                         draft_keys=self.adaptive and not k)
         self.decode_step = self.decode_steps.get(self.k)
         self.graph_warm_up_by_k: dict[int, float] = {}  # seconds compiling each k's one-call step
         self.on_step = None  # called with each step's k before its model calls (multi-node: into the plans)
-        self.graph_warm_up_s = self._warm_up_graphs() if config.enable_graph else 0.0
+        self.graph_warm_up_s = self._warm_up_graphs() if self.graph_enabled else 0.0
 
     def step_depths(self) -> list[int]:
         """The k a step of this engine may have."""
@@ -129,6 +130,7 @@ class ModelRunner:
             self.draft(self._tensor([1] * total), hidden, positions(news, context_lens), self.draft_caches,
                        metadata(news, context_lens))
 
+        before = CompileCounts.now()
         with torch.inference_mode():
             seconds = warm_up(self.main, run_main, self.k)
             if self.draft is not None:
@@ -138,8 +140,11 @@ class ModelRunner:
                                                           self.num_blocks, self.main_caches, self.draft_caches,
                                                           self.device)
                 seconds += self.graph_warm_up_by_k[k]
-        log.info("graph mode: decode graphs compiled in %.1fs (one-call steps for k = %s: %s)", seconds,
-                 list(self.decode_steps), ", ".join(f"{s:.1f}s" for s in self.graph_warm_up_by_k.values()))
+        self.graph_compile_counts = counts = CompileCounts.now().since(before)
+        steps = ", ".join(f"{s:.1f}s" for s in self.graph_warm_up_by_k.values())
+        announce(f"graph mode: start-up took {seconds:.1f}s to ready the decode graphs: {counts.compiled} compiled, "
+                 f"{counts.cached} from the disk cache in {self.graph_cache_dir}"
+                 + (f" (one-call steps for k = {list(self.decode_steps)}: {steps})" if steps else ""))
         return seconds
 
     # slots, tensors, generators ---------------------------------------------------

@@ -12,12 +12,24 @@ not each compile a graph of their own.
 
 The first steps of each kind pay the compile time; `warm_up` runs them at
 start-up so a server is ready only once its graphs exist.
+
+Graph mode is the default (`resolve_graph`): `--enable_graph` / `enable_graph`
+unset means "where it can run": on CPU that takes a C++ compiler (without one,
+the engine runs eager after one warning), and some models and multi-node
+groups always run eager. inductor's compiled code is cached on disk
+(`compile_cache_dir`), so a second start of the same model and settings
+compiles nothing; `CompileCounts` says how much each start compiled.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import sys
 import types
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -31,8 +43,108 @@ log = logging.getLogger("mtp_runtime.engine")
 RECOMPILE_LIMIT = 64
 
 
+# The default of graph mode where the setting is left unset: true, false or auto (the default).
+GRAPH_ENV = "MTP_ENABLE_GRAPH"
+# Where inductor keeps its compiled code between runs (inductor's own variable; ours sets its default).
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# Architectures whose forwards cannot take a graph: their step stays eager whatever the setting.
+EAGER_ONLY_ARCHS = {"deepseek_v32": "its indexer picks keys sequence by sequence"}
+
+
 class GraphError(RuntimeError):
     """Graph mode cannot run here (no C++ compiler for inductor, unsupported model)."""
+
+
+@dataclass(frozen=True)
+class GraphDecision:
+    enabled: bool
+    reason: str  # why, in words (start-up log, /health)
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would use on CPU (its `cpp.cxx` search: $CXX, else g++), or None."""
+    import torch._inductor.config as inductor_config
+
+    search = inductor_config.cpp.cxx
+    for name in search if isinstance(search, (list, tuple)) else (search,):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    return None
+
+
+def resolve_graph(requested: bool | None, arch: str, device: str) -> GraphDecision:
+    """Whether an engine runs graph mode. `requested` True demands it (a model or machine that cannot
+    is an error naming what to do), False turns it off, None (unset) takes $MTP_ENABLE_GRAPH
+    (true, false or auto; default auto): graph mode wherever it can run, else eager with a reason
+    (a warning for a missing compiler, the one case the user can fix)."""
+    if requested is None:
+        env = os.environ.get(GRAPH_ENV, "auto").strip().lower()
+        if env not in ("true", "false", "auto"):
+            raise ValueError(f"${GRAPH_ENV}={env!r} is invalid: expected true, false or auto")
+        if env != "auto":
+            requested = env == "true"
+            source = f"${GRAPH_ENV}={env}"
+    else:
+        source = f"enable_graph={str(requested).lower()}"
+    if requested is False:
+        return GraphDecision(False, f"eager ({source})")
+    if arch in EAGER_ONLY_ARCHS:
+        if requested:
+            raise ValueError(f"enable_graph: not supported for {arch} in this build ({EAGER_ONLY_ARCHS[arch]}); "
+                             f"run it with enable_graph=false (--enable_graph=false)")
+        return GraphDecision(False, f"eager ({arch}: {EAGER_ONLY_ARCHS[arch]})")
+    if device.startswith("npu"):
+        if requested:
+            raise ValueError("enable_graph: not supported on npu devices in this build; run with "
+                             "enable_graph=false (--enable_graph=false)")
+        return GraphDecision(False, "eager (npu devices run eager in this build)")
+    if device == "cpu" and cpp_compiler() is None:
+        if requested:
+            raise GraphError("enable_graph: graph mode on CPU needs a C++ compiler for torch.compile and none "
+                             "was found ($CXX, g++); install one or run with enable_graph=false")
+        log.warning("graph mode: no C++ compiler found ($CXX, g++), so decode steps run eager, several times "
+                    "slower; install one (e.g. g++) for the compiled path, or set enable_graph=false "
+                    "(--enable_graph=false) to run eager without this warning")
+        return GraphDecision(False, "eager (no C++ compiler found)")
+    return GraphDecision(True, f"graph ({source})" if requested else "graph (default)")
+
+
+def announce(message: str) -> None:
+    """A start-up line the user should see: logged at INFO where logging is set up (`mtp serve`),
+    else printed to stderr (the offline `LLM` in a script that configures no logging)."""
+    if logging.getLogger().handlers or log.handlers:
+        log.info("%s", message)
+    else:
+        print(f"mtp_runtime: {message}", file=sys.stderr, flush=True)
+
+
+def compile_cache_dir() -> Path:
+    """The directory of inductor's on-disk cache: $TORCHINDUCTOR_CACHE_DIR, set (to
+    $MTP_CACHE_DIR/inductor, default ~/.cache/mtp-operator/inductor) where unset, so compiled
+    graphs outlive /tmp."""
+    if not os.environ.get(CACHE_ENV):
+        root = Path(os.environ.get("MTP_CACHE_DIR") or Path.home() / ".cache" / "mtp-operator")
+        os.environ[CACHE_ENV] = str(root / "inductor")
+    return Path(os.environ[CACHE_ENV])
+
+
+@dataclass
+class CompileCounts:
+    """How many graphs a start compiled and how many came from the disk cache (inductor's counters)."""
+    compiled: int = 0
+    cached: int = 0
+
+    @staticmethod
+    def now() -> "CompileCounts":
+        from torch._dynamo.utils import counters
+
+        inductor = counters["inductor"]
+        return CompileCounts(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"],
+                             inductor["fxgraph_cache_hit"])
+
+    def since(self, before: "CompileCounts") -> "CompileCounts":
+        return CompileCounts(self.compiled - before.compiled, self.cached - before.cached)
 
 
 class GraphMode:
@@ -108,4 +220,4 @@ def compile_failure(what: str, exc: Exception) -> GraphError:
     """The error for a graph that failed to compile, saying what to do."""
     first_line = str(exc).splitlines()[0] if str(exc) else repr(exc)
     return GraphError(f"enable_graph: compiling {what} failed ({type(exc).__name__}: {first_line}); graph mode "
-                      f"needs a C++ compiler for torch.compile on CPU; run without --enable_graph")
+                      f"needs a C++ compiler for torch.compile on CPU; run with --enable_graph=false")

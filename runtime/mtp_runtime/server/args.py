@@ -41,6 +41,16 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def parse_auto_bool(text: str) -> bool | None:
+    """true/false as parse_bool, or auto (None: the engine decides)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected true, false or auto, got {text!r}") from None
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # Abbreviations would let a typo like --draft silently mean --draft_model.
     parser.allow_abbrev = False
@@ -66,12 +76,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for name, default, what in (
         ("enable_prefix_cache", True, "reuse KV blocks of shared prompt prefixes"),
         ("enable_chunked_prefill", True, "split long prompts over several steps"),
-        ("enable_graph", False, "run decode steps as compiled graphs (torch.compile; start-up compiles them)"),
         ("speculative_adaptive", False, "pick every step's k in 0..--num_speculative_tokens from measured "
                                         "acceptance and step cost"),
     ):
         add(f"--{name}", type=parse_bool, nargs="?", const=True, default=default,
             metavar="true|false", help=f"{what} (default {str(default).lower()})")
+    add("--enable_graph", type=parse_auto_bool, nargs="?", const=True, default=None, metavar="true|false|auto",
+        help="run decode steps as compiled graphs (torch.compile; start-up compiles them, or loads them from "
+             "the disk cache, $TORCHINDUCTOR_CACHE_DIR); auto: wherever it can run (one node, a model that "
+             "supports it, a C++ compiler on CPU), else eager (default auto)")
     add("--served_model_name", default=None, help="model name in the API (default: --model's folder name)")
     add("--dtype", default="auto", choices=DTYPES, help="working dtype (auto: bfloat16 on accelerators, float32 on cpu)")
     add("--api_key", default=None, help=f"required Bearer token (or ${API_KEY_ENV})")
@@ -112,7 +125,7 @@ class ServeArgs:
     max_model_len: int | None
     shutdown_timeout: float
     env: dict[str, str] = field(default_factory=dict, repr=False)
-    enable_graph: bool = False
+    enable_graph: bool | None = None  # None: auto (models/graph.py, resolve_graph)
     speculative_adaptive: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
@@ -235,7 +248,8 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
             raise ServeArgsError("--master_node_addr: required when --nnodes > 1")
         if ns.enable_graph:
             raise ServeArgsError("--enable_graph: not supported with --nnodes > 1 in this build (the worker "
-                                 "ranks run eager); use --enable_graph=false")
+                                 "ranks run eager); use --enable_graph=false or auto")
+        ns.enable_graph = False  # auto: a group of ranks runs eager
         if ns.ep_size not in (1, ns.nnodes):
             raise ServeArgsError(f"--ep_size: {ns.ep_size} must be 1 (experts split by size over all ranks) "
                                  f"or --nnodes {ns.nnodes} (one slice of the experts per rank)")

@@ -87,6 +87,9 @@ class AsyncEngine:
     def health_stats(self) -> dict:
         """Engine figures for /health: load, and free KV blocks (tests check nothing leaks)."""
         body: dict = {"requests_in_flight": self.in_flight()}
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None and hasattr(runner, "graph"):  # loaded: how its steps run, and why
+            body["graph_mode"] = runner.graph.reason
         stats = self.last_stats
         if stats is not None:
             free = round((1.0 - stats.kv_cache_usage) * stats.num_kv_blocks)

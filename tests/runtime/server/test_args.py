@@ -123,12 +123,19 @@ def test_node_rank_auto_single_node(model_dir):
 
 
 def test_enable_graph_flag(model_dir):
+    """Unset or auto: the engine decides (graph mode where it can run); a group of ranks runs eager."""
     m = str(model_dir / "main")
-    assert parse(["--model", m]).enable_graph is False
+    assert parse(["--model", m]).enable_graph is None
+    assert parse(["--model", m, "--enable_graph=auto"]).enable_graph is None
+    assert parse(["--model", m, "--enable_graph=false"]).enable_graph is False
     assert parse(["--model", m, "--enable_graph=true"]).enable_graph is True
     assert parse(["--model", m, "--enable_graph"]).enable_graph is True
-    reject(["--model", m, "--enable_graph", "--nnodes", "2", "--master_node_addr", "mtp-0.mtp:23456",
-            "--node_rank", "0"], "--enable_graph")
+    group = ["--model", m, "--nnodes", "2", "--master_node_addr", "mtp-0.mtp:23456", "--node_rank", "0"]
+    assert parse(group).enable_graph is False
+    assert parse(group + ["--enable_graph=auto"]).enable_graph is False
+    reject(group + ["--enable_graph"], "--enable_graph")
+    with pytest.raises(SystemExit):
+        parse(["--model", m, "--enable_graph=maybe"])
 
 
 def test_flags_parse_and_validate_without_files_or_devices():

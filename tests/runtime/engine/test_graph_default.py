@@ -1,0 +1,113 @@
+"""Graph mode is the default: where it can run, an engine whose setting is unset compiles its decode
+steps, and a second start of the same model and settings loads them from the disk cache, compiling
+nothing. Where it cannot run (no C++ compiler, a model or device it does not support), the engine
+runs eager: with one warning where the user can fix it, with an error where graph mode was asked for."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch._inductor.config as inductor_config
+
+from mtp_runtime.models.graph import GRAPH_ENV, GraphError, compile_cache_dir, resolve_graph
+
+
+@pytest.fixture
+def auto(monkeypatch):
+    """The product's default: $MTP_ENABLE_GRAPH unset (the suite sets it to false)."""
+    monkeypatch.delenv(GRAPH_ENV, raising=False)
+
+
+@pytest.fixture
+def no_compiler():
+    with inductor_config.patch({"cpp.cxx": (None, "no-such-c++-compiler")}):
+        yield
+
+
+def test_unset_means_graph_mode_on_a_cpu_with_a_compiler(auto):
+    decision = resolve_graph(None, "deepseek_v3", "cpu")
+    assert decision.enabled and decision.reason == "graph (default)"
+    assert resolve_graph(None, "glm4_moe", "cuda:0").enabled
+
+
+def test_without_a_compiler_the_default_runs_eager_after_one_warning(auto, no_compiler, caplog):
+    with caplog.at_level(logging.WARNING, logger="mtp_runtime.engine"):
+        decision = resolve_graph(None, "deepseek_v3", "cpu")
+    assert not decision.enabled and decision.reason == "eager (no C++ compiler found)"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
+    assert "--enable_graph=false" in warnings[0].getMessage()
+
+
+def test_asking_for_graph_mode_without_a_compiler_is_an_error(auto, no_compiler):
+    with pytest.raises(GraphError, match="needs a C\\+\\+ compiler"):
+        resolve_graph(True, "deepseek_v3", "cpu")
+    assert resolve_graph(False, "deepseek_v3", "cpu").reason == "eager (enable_graph=false)"
+
+
+def test_models_and_devices_graph_mode_does_not_support(auto, caplog):
+    with caplog.at_level(logging.WARNING, logger="mtp_runtime.engine"):
+        v32 = resolve_graph(None, "deepseek_v32", "cpu")
+        npu = resolve_graph(None, "deepseek_v3", "npu:0")
+    assert not v32.enabled and "deepseek_v32" in v32.reason
+    assert not npu.enabled and "npu" in npu.reason
+    assert not caplog.records  # nothing for the user to fix: no warning
+    with pytest.raises(ValueError, match="not supported for deepseek_v32"):
+        resolve_graph(True, "deepseek_v32", "cpu")
+    with pytest.raises(ValueError, match="npu"):
+        resolve_graph(True, "deepseek_v3", "npu:0")
+
+
+def test_the_environment_sets_the_default_and_an_explicit_setting_wins(monkeypatch):
+    monkeypatch.setenv(GRAPH_ENV, "false")
+    assert resolve_graph(None, "deepseek_v3", "cpu").reason == f"eager (${GRAPH_ENV}=false)"
+    assert resolve_graph(True, "deepseek_v3", "cpu").enabled
+    monkeypatch.setenv(GRAPH_ENV, "True")
+    assert resolve_graph(None, "deepseek_v3", "cpu").reason == f"graph (${GRAPH_ENV}=true)"
+    monkeypatch.setenv(GRAPH_ENV, "sometimes")
+    with pytest.raises(ValueError, match=f"\\${GRAPH_ENV}='sometimes'"):
+        resolve_graph(None, "deepseek_v3", "cpu")
+
+
+# The settings of test_lossless.py's graph-mode test (k = 2, 8-token blocks, its scenario's options):
+# both compile the same graphs, so whichever runs first fills the disk cache for the other.
+START = """
+import json, sys
+from mtp_runtime import LLM, SamplingParams
+llm = LLM(sys.argv[1], num_speculative_tokens=2, max_model_len=96, block_size=8, max_seqs_per_batch=8,
+          max_tokens_per_batch=16, enable_prefix_cache=True)
+runner = llm.engine.runner
+out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+print(json.dumps({"graph": runner.graph.reason, "compiled": runner.graph_compile_counts.compiled,
+                  "cached": runner.graph_compile_counts.cached, "tokens": out[0].token_ids}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_second_start_loads_every_graph_from_the_disk_cache(tiny_models):
+    """`LLM` with nothing said about graph mode compiles its decode steps (or loads them: the cache is
+    the machine's, as a user's is) and prints what start-up cost; a second process with the same
+    model and settings compiles nothing."""
+    env = {k: v for k, v in os.environ.items() if k != GRAPH_ENV}
+    env["OMP_NUM_THREADS"] = "1"  # as the suite's engines run (engine/conftest.py), so their graphs match
+    cache = compile_cache_dir()
+
+    def start():
+        done = subprocess.run([sys.executable, "-c", START, tiny_models["deepseek_v3"]], env=env,
+                              capture_output=True, text=True, timeout=1500)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+    first, first_err = start()
+    second, second_err = start()
+    assert first["graph"] == second["graph"] == "graph (default)"
+    graphs = first["compiled"] + first["cached"]
+    assert graphs > 0
+    assert second["compiled"] == 0 and second["cached"] == graphs, (first, second)
+    assert first["tokens"] == second["tokens"]
+    for err in (first_err, second_err):  # the start-up cost is printed, where nothing configures logging
+        assert "graph mode: start-up took" in err and str(cache) in err
