@@ -42,6 +42,20 @@ def test_without_a_compiler_the_default_runs_eager_after_one_warning(auto, no_co
     assert "--enable_graph=false" in warnings[0].getMessage()
 
 
+def test_an_engine_on_a_machine_without_a_compiler_runs_eager(auto, no_compiler, kit, tiny_models, caplog):
+    """The default on such a machine: the engine starts, runs eager, answers as it would compiled,
+    and says once why (the start-up log, /health's graph_mode)."""
+    with caplog.at_level(logging.WARNING, logger="mtp_runtime.engine"):
+        engine = kit.make_engine(tiny_models["deepseek_v3"], 1)
+    runner = engine.runner
+    assert not runner.graph_enabled and runner.graph.reason == "eager (no C++ compiler found)"
+    assert not runner.main.graph_enabled and not runner.decode_steps and runner.graph_warm_up_s == 0
+    assert sum("no C++ compiler" in r.getMessage() for r in caplog.records) == 1
+    plain = kit.make_engine(tiny_models["deepseek_v3"], 0, enable_graph=False)
+    request = {"r0": ([5, 9, 33, 7], kit.greedy(8))}
+    assert kit.run_requests(engine, request) == kit.run_requests(plain, request)
+
+
 def test_asking_for_graph_mode_without_a_compiler_is_an_error(auto, no_compiler):
     with pytest.raises(GraphError, match="needs a C\\+\\+ compiler"):
         resolve_graph(True, "deepseek_v3", "cpu")
