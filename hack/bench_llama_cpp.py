@@ -57,7 +57,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 # llama.cpp's KV cache in float32 like ours (its default is f16): the same numerics, so outputs can
-# agree token for token; at this model's size the cache's dtype does not move its speed.
+# agree token for token; at this model's size the cache's dtype does not move its speed. (llama-bench
+# takes no f32 cache and runs with f16.)
 KV_F32 = ["-ctk", "f32", "-ctv", "f32"]
 DRAFT_KV_F32 = ["-ctkd", "f32", "-ctvd", "f32"]
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mtp-operator" / "llama.cpp"
@@ -406,7 +407,7 @@ class EngineProcess:
 
 
 def run_tool(argv: list[str], timeout: float = 600) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return done.stdout + done.stderr
@@ -415,7 +416,7 @@ def run_tool(argv: list[str], timeout: float = 600) -> str:
 def llama_bench_tg(bin_dir: Path, gguf: Path, threads: int, depth: int, n: int) -> float:
     """llama-bench: decode tokens/s of n tokens after a `depth`-token context, batch 1."""
     out = run_tool([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(n), "-d", str(depth),
-                    "-t", str(threads), "-r", "3", "-o", "json", *KV_F32])
+                    "-t", str(threads), "-r", "3", "-o", "json"])  # its KV cache: f16 (it takes no f32)
     rows = json.loads(out[out.index("["):out.rindex("]") + 1])
     return statistics.median(rows[0]["samples_ts"])
 
@@ -431,12 +432,12 @@ def llama_batched_bench(bin_dir: Path, gguf: Path, threads: int, batches: list[i
     return {int(r["pl"]): float(r["speed_tg"]) for r in rows}
 
 
-def llama_speculative(bin_dir: Path, gguf: Path, threads: int, k: int, prompt_text: str, n: int) -> dict:
+def llama_speculative(bin_dir: Path, gguf: Path, threads: int, k: int, prompt_file: Path, n: int) -> dict:
     """llama-speculative-simple with the MTP head: decode tokens/s and acceptance, batch 1."""
     out = run_tool([str(bin_dir / "llama-speculative-simple"), "-m", str(gguf), "--spec-type", "draft-mtp",
-                    "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "-p", prompt_text, "-n", str(n),
+                    "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "-f", str(prompt_file), "-n", str(n),
                     "--temp", "0", "--top-k", "1", "--ignore-eos", "-t", str(threads), "-tb", str(threads),
-                    "-c", "1024", "--no-warmup", *KV_F32, *DRAFT_KV_F32])
+                    "-c", "1024", *KV_F32, *DRAFT_KV_F32])
     decoded = re.search(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds", out)
     drafted = re.search(r"n_drafted\s*=\s*(\d+)", out)
     accepted = re.search(r"n_accept\s*=\s*(\d+)", out)
@@ -463,7 +464,8 @@ def time_library(args, model_dir: Path, bin_dir: Path, gguf: Path, prompts, toke
         print(f"our engines' start-up seconds (load + compile, one after another): {start_s}", flush=True)
         samples: dict = {}
         add = lambda name, t, b, v: samples.setdefault(name, {}).setdefault(t, {}).setdefault(b, []).append(v)  # noqa: E731
-        spec_text = tokenizer.decode(prompts[0])
+        spec_prompt = args.out_dir / "speculative-prompt.txt"  # the tool takes text: our first prompt's
+        spec_prompt.write_text(tokenizer.decode(prompts[0]))
         for r in range(args.rounds):
             for t in args.threads:
                 add("llama.cpp llama-bench tg", t, 1, llama_bench_tg(bin_dir, gguf, t, args.prompt_len,
@@ -473,7 +475,7 @@ def time_library(args, model_dir: Path, bin_dir: Path, gguf: Path, prompts, toke
                     add("llama.cpp llama-batched-bench", t, b, v)
                 if 1 in args.batches:
                     for k in [k for k in args.ks if k]:
-                        res = llama_speculative(bin_dir, gguf, t, k, spec_text, args.max_tokens)
+                        res = llama_speculative(bin_dir, gguf, t, k, spec_prompt, args.max_tokens)
                         add(f"llama.cpp speculative-simple MTP k={k}", t, 1, res["decode_tokens_per_s"])
                         extra["llama_speculative_acceptance"][f"k={k} t={t}"] = res["acceptance_rate"]
                 for k in args.ks:
