@@ -18,6 +18,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from mtp_runtime.engine.config import EngineConfig
+from mtp_runtime.engine.detokenizer import IncrementalText
 from mtp_runtime.engine.model_runner import ModelRunner
 from mtp_runtime.engine.scheduler import ScheduledBatch, Scheduler
 from mtp_runtime.engine.sequence import Sequence
@@ -28,7 +29,9 @@ log = logging.getLogger("mtp_runtime.engine")
 
 
 class RequestOutput:
-    """What a step reports for one request. `text` is decoded on first access."""
+    """What a step reports for one request. `text` is decoded on first access, unless the engine
+    gave it (`engine_text`: a request with stop strings, whose text the engine reads every step and
+    cuts at the stop string)."""
 
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, new_token_ids: list[int], text: str | None = None):
         self.request_id = seq.request_id
@@ -43,13 +46,14 @@ class RequestOutput:
         self.verify_steps = seq.verify_steps
         self.ttft_s = seq.ttft_s()
         self.tpot_s = seq.tpot_s()
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._text = text
+        self.engine_text = text is not None
 
     @property
     def text(self) -> str:
         if self._text is None:
-            self._text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            self._text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         return self._text
 
     @property
@@ -202,6 +206,14 @@ class LLMEngine:
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         cached = 48
         width = -(-(cached + 1 + 2 * self.config.num_speculative_tokens) // self.config.block_size)
+        # Spread-out token ids: an MoE step's cost grows with the number of experts its tokens reach, and
+        # one token repeated everywhere would reach the fewest, making deep steps of large batches look
+        # cheap.
+        vocab = self.runner.vocab_size
+
+        def tokens(i: int, n: int) -> list[int]:
+            return [(7 + 131 * (i * 64 + j)) % (vocab - 3) + 3 for j in range(n)]
+
         # The depths take turns within each repeat, so a change in the machine's load between them
         # (other work on its cores) hits every k alike instead of skewing their ratios.
         for b in bucket_sizes(self.config.max_seqs_per_batch):
@@ -209,10 +221,11 @@ class LLMEngine:
                 for k in self.runner.step_depths():
                     seqs = []
                     for i in range(b):
-                        seq = Sequence(f"policy-warm-up-{i}", [1] * (cached + 1), params, cached + 2)
+                        row = tokens(i + rep * b, cached + 1 + k)
+                        seq = Sequence(f"policy-warm-up-{i}", row[:cached + 1], params, cached + 2)
                         seq.block_table = [(i * width + j) % self.runner.num_blocks for j in range(width)]
                         seq.num_cached_tokens = cached
-                        seq.draft_token_ids, seq.num_real_drafts = [1] * k, k
+                        seq.draft_token_ids, seq.num_real_drafts = row[cached + 1:], k
                         seqs.append(seq)
                     batch = ScheduledBatch(seqs, [1] * b, [k] * b, [True] * b, num_speculative_tokens=k)
                     t0 = time.perf_counter()
@@ -277,7 +290,10 @@ class LLMEngine:
 
     def _check_stop_strings(self, seq: Sequence) -> str:
         """Finish `seq` with reason "stop" when its text contains a stop string; returns the text to report."""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if seq.text is None:
+            seq.text = IncrementalText(self.tokenizer)
+        seq.text.update(seq.output_token_ids, final=seq.is_finished)  # the new tokens only
+        text = seq.text.text
         hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
         if not hits:
             return text

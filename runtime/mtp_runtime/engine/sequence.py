@@ -61,6 +61,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_reported_tokens = 0  # output tokens already handed out in a RequestOutput
+        self.text: Any = None  # engine.detokenizer.IncrementalText of the output, where stop strings need it
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -27,6 +27,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from mtp_runtime.engine.detokenizer import IncrementalText
+
 from .args import DEFAULT_MAX_REQUEST_BYTES
 from .async_engine import AsyncEngine, EngineFailure, EngineNotReadyError, QueueFullError, RequestAborted
 from .chat_template import ChatTemplateError
@@ -293,6 +295,7 @@ async def _stream(engine: AsyncEngine, request_id: str, outputs: asyncio.Queue, 
                   include_usage: bool, off_loop):
     finished = False
     sent = 0
+    text: IncrementalText | None = None  # the output's text so far, decoded as it grows
     try:
         if kind == "chat":
             yield sse_event(chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None))
@@ -311,9 +314,14 @@ async def _stream(engine: AsyncEngine, request_id: str, outputs: asyncio.Queue, 
                     yield sse_event(completion_chunk(request_id, model, "", "abort"))
                 yield SSE_DONE
                 return
-            text = await off_loop(_decoded_text, item) if item.new_token_ids or item.finished else ""
-            delta = _text_delta(text, sent, item.finished)
-            sent += len(delta)
+            if item.engine_text:  # stop strings: the engine's text, cut at the stop string
+                delta = _text_delta(item.text, sent, item.finished)
+                sent += len(delta)
+            elif item.new_token_ids or item.finished:  # decode the new tokens only
+                text = text or IncrementalText(item.tokenizer)
+                delta = await off_loop(text.update, item.token_ids, item.finished)
+            else:
+                delta = ""
             reason = item.finish_reason if item.finished else None
             if delta or item.finished or item.new_token_ids:
                 if kind == "chat":

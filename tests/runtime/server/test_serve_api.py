@@ -164,6 +164,10 @@ def test_stop_string_ends_the_text(mtp_client):
     stopped = mtp_client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
     assert stopped["finish_reason"] == "stop"
     assert stopped["text"] == text[:text.index(stop)]
+    with mtp_client.stream("POST", "/v1/completions", json={**body, "stop": [stop], "stream": True}) as resp:
+        events = sse_payloads(resp)
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == stopped["text"] and chunks[-1]["finish_reason"] == "stop"
 
 
 def test_metrics_move_after_requests(mtp_client):
