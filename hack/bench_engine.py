@@ -10,7 +10,7 @@ the target ratios. Every k's output is checked token-for-token against k=0.
 Writes results.json, results.md and speedup.png into OUT_DIR.
 
     python hack/bench_engine.py OUT_DIR [--archs deepseek_v3,glm4_moe] [--train-steps N] [--enable-graph]
-                                        [--adaptive K]
+                                        [--adaptive K] [--model DIR]
 
 With --adaptive K an engine with adaptive speculative depth (k chosen every step in 0..K) runs beside
 the fixed ks; the summary gives its speed-up over k=0 and over the best fixed k at each batch size,
@@ -60,6 +60,11 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", type=Path)
     p.add_argument("--archs", default="deepseek_v3,glm4_moe")
+    p.add_argument("--model", default=None,
+                   help="an existing checkpoint (a bench preset built earlier) instead of building one; its "
+                        "config's model_type is the arch, and --archs and the training flags are not used")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the cProfile of a k=1 batch-1 run that follows missed targets")
     p.add_argument("--train-steps", type=int, default=None, help="default: the bench preset's")
     p.add_argument("--train-batch", type=int, default=None, help="default: make-tiny's")
     p.add_argument("--train-seq-len", type=int, default=None, help="default: make-tiny's")
@@ -92,6 +97,15 @@ def build_model(arch: str, out_dir: Path, train: dict) -> str:
     if mtp_main(args) != 0:
         raise SystemExit(f"mtp make-tiny failed for {arch}")
     return str(model_dir)
+
+
+def model_arch(model_dir: str) -> str:
+    """The arch of an existing checkpoint (`--model`): its config's model_type."""
+    config = Path(model_dir, "config.json")
+    try:
+        return json.loads(config.read_text())["model_type"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"--model: {config} gives no model_type ({exc})") from None
 
 
 class EngineSystem:
@@ -357,13 +371,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results, md = {}, []
-    for arch in args.archs.split(","):
-        model_dir = build_model(arch, args.out_dir, {"--train-steps": args.train_steps,
-                                                     "--train-batch": args.train_batch,
-                                                     "--train-seq-len": args.train_seq_len,
-                                                     "--train-threads": args.train_threads,
-                                                     "--distill-steps": args.distill_steps,
-                                                     "--distill-chain": args.distill_chain})
+    archs = [model_arch(args.model)] if args.model else args.archs.split(",")
+    for arch in archs:
+        train = {"--train-steps": args.train_steps, "--train-batch": args.train_batch,
+                 "--train-seq-len": args.train_seq_len, "--train-threads": args.train_threads,
+                 "--distill-steps": args.distill_steps, "--distill-chain": args.distill_chain}
+        model_dir = args.model or build_model(arch, args.out_dir, train)
         prompts = build_prompts(load_tokenizer(model_dir), max(batches), args.prompt_len, seed=0)
         max_model_len = args.prompt_len + args.max_tokens + 8
         specs = {} if args.no_transformers else {"transformers": ("transformers", (model_dir,))}
@@ -390,7 +403,7 @@ def main() -> None:
             summary["ratios"]["k0_graph_over_eager_by_batch"] = {
                 b: speedup_over(systems["k=0"][b], systems["k=0 eager"][b]) for b in batches}
             summary["graph_compile_s"] = compile_s
-        if not all(summary["targets_met"].values()):
+        if not all(summary["targets_met"].values()) and not args.no_profile:
             summary["profile_k1_batch1"] = profile_step(model_dir, prompts, args.max_tokens)
         for points in systems.values():
             for p in points.values():

@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "hack" / "bench_engine.py"
 
 
@@ -80,3 +82,11 @@ def test_every_batch_size_runs_every_prompt():
     assert results["k=0"][1]["tokens_per_s"] == 16 * 10 / 8.0 and results["k=0"][1]["tpot_ms"] == 1e3 * 8.0 / 160
     assert results["k=0"][16]["tokens_per_s"] == 16 * 10 / 0.5 and results["k=0"][16]["tpot_ms"] == 1e3 * 0.5 / 10
     assert results["k=0"][1]["token_ids"] == prompts
+
+
+def test_an_existing_checkpoint_gives_its_arch_or_a_clear_error(tmp_path):
+    bench = load_bench()
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    assert bench.model_arch(str(tmp_path)) == "deepseek_v3"
+    with pytest.raises(SystemExit, match="--model: .*config.json gives no model_type"):
+        bench.model_arch(str(tmp_path / "missing"))
