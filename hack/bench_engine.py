@@ -77,6 +77,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--waves", type=int, default=1,
+                   help="each batch size runs at least this many batches one after another (default 1: the "
+                        "largest batch runs once); more makes the large batches' runs long enough to time")
     p.add_argument("--repeats", type=int, default=9,
                    help="runs per point: medians of the figures, and of the ratios within each run")
     p.add_argument("--threads", type=int, default=1, help="torch threads, the same for every system")
@@ -233,15 +236,16 @@ def batch_groups(prompts: list, batch: int) -> list[list]:
     return [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
 
 
-def measure(systems: dict, prompts, batches, max_tokens: int, repeats: int) -> dict:
-    """Median of `repeats` wall times per system and batch size, each time over all the prompts in
-    batches of that size. Systems take turns within each repeat, so load changes on the machine hit
-    all of them alike."""
+def measure(systems: dict, prompts, batches, max_tokens: int, repeats: int, waves: int = 1) -> dict:
+    """Median of `repeats` wall times per system and batch size, each time over the prompts in
+    batches of that size: all of them, or at least `waves` batches' worth for every size. Systems
+    take turns within each repeat, so load changes on the machine hit all of them alike."""
     for system in systems.values():
         system.timed_run([prompts[:2]], 8)  # warm-up
     results = {name: {} for name in systems}
     for b in batches:
-        groups = batch_groups(prompts, b)
+        used = prompts[:max(max(batches), waves * b)]
+        groups = batch_groups(used, b)
         samples = {name: [] for name in systems}
         for _ in range(repeats):
             for name, system in systems.items():
@@ -252,7 +256,7 @@ def measure(systems: dict, prompts, batches, max_tokens: int, repeats: int) -> d
             seconds = statistics.median(samples[name])
             # ms / output token: the time a sequence waits for each of its tokens, batch after batch
             results[name][b].update(seconds=seconds, seconds_samples=samples[name],
-                                    tokens_per_s=len(prompts) * max_tokens / seconds,
+                                    tokens_per_s=len(used) * max_tokens / seconds,
                                     tpot_ms=1e3 * seconds / (len(groups) * max_tokens))
         print(b, {name: round(results[name][b]["tokens_per_s"], 1) for name in systems}, flush=True)
     return results
@@ -377,7 +381,8 @@ def main() -> None:
                  "--train-seq-len": args.train_seq_len, "--train-threads": args.train_threads,
                  "--distill-steps": args.distill_steps, "--distill-chain": args.distill_chain}
         model_dir = args.model or build_model(arch, args.out_dir, train)
-        prompts = build_prompts(load_tokenizer(model_dir), max(batches), args.prompt_len, seed=0)
+        prompts = build_prompts(load_tokenizer(model_dir), max(batches) * max(1, args.waves), args.prompt_len,
+                                seed=0)
         max_model_len = args.prompt_len + args.max_tokens + 8
         specs = {} if args.no_transformers else {"transformers": ("transformers", (model_dir,))}
         if args.enable_graph:
@@ -394,7 +399,7 @@ def main() -> None:
             compile_s = {name: round(r.compile_s, 1) for name, r in runners.items() if r.compile_s}
             print(f"{arch}: graph compile seconds at start-up, processes starting together {compile_s}",
                   flush=True)
-            systems = measure(runners, prompts, batches, args.max_tokens, args.repeats)
+            systems = measure(runners, prompts, batches, args.max_tokens, args.repeats, args.waves)
         finally:
             for runner in runners.values():
                 runner.close()

@@ -29,6 +29,11 @@ class EngineConfig:
     enable_graph: bool | None = None
     # Adaptive depth: num_speculative_tokens is the largest k; every step picks k in 0..K (engine/spec_policy.py)
     speculative_adaptive: bool = False
+    # A step of fewer tokens than this (a decode step: batch size x (k + 1)) runs on one thread, larger
+    # ones on all of the process's torch threads: on a step this small the second thread's fork and
+    # join in every kernel cost more than it saves (hack/bench_llama_cpp.py, 2 threads). 0: every step
+    # on every thread. In graph mode it applies to the one-call decode steps, compiled for it.
+    single_thread_tokens: int = 8
 
     def __post_init__(self) -> None:
         if not Path(self.model, "config.json").is_file():
@@ -50,6 +55,8 @@ class EngineConfig:
                "max_model_len", self.max_model_len, "an integer >= 2 or unset")
         _check(self.num_kv_blocks is None or (_is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1),
                "num_kv_blocks", self.num_kv_blocks, "an integer >= 1 or unset")
+        _check(_is_int(self.single_thread_tokens) and self.single_thread_tokens >= 0, "single_thread_tokens",
+               self.single_thread_tokens, "an integer >= 0 (0: every step on every thread)")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda", "npu"),
                "device", self.device, "cpu, cuda[:i] or npu[:i]")

@@ -177,21 +177,28 @@ class GreedyDecodeStep:
         return self._fn(plan, main_caches, draft_caches)
 
     def warm_up(self, batch_sizes: list[int], num_blocks: int, main_caches: list, draft_caches: list,
-                device: torch.device) -> float:
+                device: torch.device, threads_for=None) -> float:
         """Compile the step for each batch size on dummy tokens in the first blocks (no sequence owns
         a block yet, and a slot is written before it is read); returns the seconds it took.
 
         Each batch size runs with block tables several blocks wide and, where a sequence can fit in
-        one block, one block wide: a size of 1 is a case of its own to the compiler."""
+        one block, one block wide: a size of 1 is a case of its own to the compiler.
+        `threads_for(tokens)`: the torch thread count a step of that many tokens will run on (a
+        graph is compiled for one thread count: inductor writes it into its kernels, and dynamo
+        checks it before a call); default: the current one."""
         start = time.perf_counter()
+        own = torch.get_num_threads()
         try:
             for b in batch_sizes:
+                torch.set_num_threads(threads_for(b * (self.k + 1)) if threads_for else own)
                 for width, cached in self._warm_up_tables():
                     rows = [self.plan(cached[i % len(cached)], [1] * (self.k + 1),
                                       [(i * width + j) % num_blocks for j in range(width)], width) for i in range(b)]
                     self(torch.tensor(rows, dtype=torch.long, device=device), main_caches, draft_caches)
         except Exception as exc:
             raise compile_failure("the decode step", exc) from exc
+        finally:
+            torch.set_num_threads(own)
         self._warm = True
         return time.perf_counter() - start
 

@@ -11,6 +11,7 @@ them (see runtime/README.md, "Speculative step").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -63,6 +64,9 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.dtype]
         self.k = config.num_speculative_tokens  # the largest k (every step's k unless adaptive)
         self.adaptive = config.speculative_adaptive
+        # torch's thread count when the engine was built: the most a step uses (`threads_for`)
+        self.threads = torch.get_num_threads()
+        self.last_step_threads = self.threads
         self.main = load_model(config.model, self.dtype, config.device)
         self.draft = None
         if self.k:
@@ -102,6 +106,10 @@ class ModelRunner:
         self.on_step = None  # called with each step's k before its model calls (multi-node: into the plans)
         self.graph_warm_up_s = self._warm_up_graphs() if self.graph_enabled else 0.0
 
+    def threads_for(self, tokens: int) -> int:
+        """Threads for a step of `tokens` tokens (EngineConfig.single_thread_tokens)."""
+        return 1 if tokens < self.config.single_thread_tokens else self.threads
+
     def step_depths(self) -> list[int]:
         """The k a step of this engine may have."""
         return list(range(self.k + 1)) if self.adaptive else [self.k]
@@ -139,7 +147,7 @@ class ModelRunner:
             for k, step in self.decode_steps.items():
                 self.graph_warm_up_by_k[k] = step.warm_up(warm_up_batch_sizes(self.config.max_seqs_per_batch),
                                                           self.num_blocks, self.main_caches, self.draft_caches,
-                                                          self.device)
+                                                          self.device, self.threads_for)
                 seconds += self.graph_warm_up_by_k[k]
         self.graph_compile_counts = counts = CompileCounts.now().since(before)
         steps = ", ".join(f"{s:.1f}s" for s in self.graph_warm_up_by_k.values())
@@ -176,13 +184,31 @@ class ModelRunner:
         and leaves each sampled sequence's next drafts in seq.draft_token_ids."""
         if self.on_step is not None:
             self.on_step(batch.num_speculative_tokens)
+        tokens = sum(batch.num_chunk_tokens) + sum(batch.num_draft_tokens)
         if self.decode_step is not None or self.decode_steps:
             decoding = [i for i in range(len(batch)) if self._is_greedy_decode_row(batch, i)]
-            if len(decoding) == len(batch):
-                return self._execute_decode_step(batch)
+            if len(decoding) == len(batch):  # the one-call step's graphs were compiled for `threads_for`
+                with self._step_threads(self.threads_for(tokens)):
+                    return self._execute_decode_step(batch)
             if decoding:
                 return self._execute_split(batch, decoding)
-        return self._execute_eager(batch)
+        # the per-forward graphs were compiled for every thread; an eager step can take any count
+        with self._step_threads(self.threads if self.graph_enabled else self.threads_for(tokens)):
+            return self._execute_eager(batch)
+
+    @contextlib.contextmanager
+    def _step_threads(self, threads: int):
+        """Run a step on `threads` torch threads, then give the caller its own count back."""
+        self.last_step_threads = threads
+        before = torch.get_num_threads()
+        if threads == before:
+            yield
+            return
+        torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _execute_eager(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
         """The general step: one main forward over every chunk and verify position of the batch."""

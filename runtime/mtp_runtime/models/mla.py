@@ -92,12 +92,18 @@ class MLAttention(nn.Module):
 
     def write_keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: dict[str, torch.Tensor], meta: AttentionMetadata) -> None:
-        """Only the cache writes of `forward`: x [T, H] -> this step's latents (and V3.2's index keys)."""
-        _, _, latent, q_latent = self._project(x, cos, sin)
-        write_cache(cache["latent"], latent, meta.slot_mapping)
-        if self.indexer is not None:
+        """Only the cache writes of `forward`: x [T, H] -> this step's latents (and V3.2's index keys).
+        Without an indexer no query is computed: only the key down-projection, its norm and the rope
+        key (the draft's keys at adaptive depth's k = 0 steps, which draft nothing)."""
+        if self.indexer is not None:  # V3.2's index keys read the query latent
+            _, _, latent, q_latent = self._project(x, cos, sin)
             _, index_k, _ = self.indexer.queries_and_keys(x, q_latent, cos, sin)
             write_cache(cache["index_k"], index_k, meta.slot_mapping)
+        else:
+            c, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
+            k_rot = self.rotate(k_rot.unsqueeze(-2), cos, sin).squeeze(-2)
+            latent = torch.cat([self.kv_a_layernorm(c), k_rot], dim=-1)
+        write_cache(cache["latent"], latent, meta.slot_mapping)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: dict[str, torch.Tensor], meta: AttentionMetadata,

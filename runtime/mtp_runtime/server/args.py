@@ -71,6 +71,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max_tokens_per_batch", type=int, default=2048, help="token budget of one engine step")
     add("--max_seqs_per_batch", type=int, default=64, help="sequences in one engine step")
     add("--block_size", type=int, default=16, help="tokens per KV cache block")
+    add("--single_thread_tokens", type=int, default=8,
+        help="a step of fewer tokens than this runs on one torch thread, larger ones on all (a second "
+             "thread slows a step this small down); 0: every step on every thread (default 8)")
     add("--ep_size", type=int, default=1, help="expert-parallel size")
     add("--dp_size", type=int, default=1, help="attention data-parallel size")
     for name, default, what in (
@@ -128,6 +131,7 @@ class ServeArgs:
     enable_graph: bool | None = None  # None: auto (models/graph.py, resolve_graph)
     speculative_adaptive: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    single_thread_tokens: int = 8  # EngineConfig.single_thread_tokens
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -257,6 +261,7 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
     _check_range("max_tokens_per_batch", ns.max_tokens_per_batch, k + 1)  # a verify step takes k + 1 tokens
     _check_range("max_seqs_per_batch", ns.max_seqs_per_batch, 1)
     _check_range("block_size", ns.block_size, 1, 1024)
+    _check_range("single_thread_tokens", ns.single_thread_tokens, 0)
     _check_range("ep_size", ns.ep_size, 1)
     if ns.ep_size > ns.nnodes * len(devices):
         raise ServeArgsError(
@@ -290,5 +295,5 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
         max_waiting_requests=ns.max_waiting_requests, max_model_len=ns.max_model_len,
         shutdown_timeout=ns.shutdown_timeout, env=env, enable_graph=ns.enable_graph,
         speculative_adaptive=ns.speculative_adaptive,
-        max_request_bytes=ns.max_request_bytes,
+        max_request_bytes=ns.max_request_bytes, single_thread_tokens=ns.single_thread_tokens,
     )

@@ -15,6 +15,7 @@ def model_dir(tmp_path):
     ("num_speculative_tokens", -1), ("max_memory_utilization", 0.0), ("max_memory_utilization", 1.5),
     ("block_size", 0), ("max_seqs_per_batch", 0), ("max_tokens_per_batch", 2), ("max_model_len", 1),
     ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu"), ("enable_prefix_cache", "yes"),
+    ("single_thread_tokens", -1), ("single_thread_tokens", True),
 ])
 def test_bad_settings_name_the_field(model_dir, field, value):
     options = {"num_speculative_tokens": 2, field: value}

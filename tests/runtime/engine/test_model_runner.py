@@ -184,3 +184,72 @@ def test_cache_sizes_follow_the_model_spec(kit, tiny_models):
     assert len(runner.draft_caches) == 1
     spec = [{"k": (2, 16), "v": (2, 16)}]
     assert cache_bytes_per_block(spec, 8, torch.bfloat16) == 2 * 32 * 8 * 2
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_small_steps_run_on_one_thread_and_output_does_not_change(kit, tiny_models, two_threads):
+    """EngineConfig.single_thread_tokens: a step of fewer tokens runs on one thread, a larger one on the
+    engine's threads, and the caller's thread count is back after every step."""
+    requests = {f"r{i}": (list(range(10 + i, 30 + i)), kit.greedy(12)) for i in range(3)}
+    reference = kit.run_requests(kit.make_engine(tiny_models["deepseek_v3"], 1, single_thread_tokens=0), requests)
+    engine = kit.make_engine(tiny_models["deepseek_v3"], 1, single_thread_tokens=8)  # decodes: 3 x 2 tokens
+    assert engine.runner.threads == 2
+    seen = []
+    execute = engine.runner.execute
+
+    def recorded(batch):
+        out = execute(batch)
+        tokens = sum(batch.num_chunk_tokens) + sum(batch.num_draft_tokens)
+        seen.append((tokens, engine.runner.last_step_threads, torch.get_num_threads()))
+        return out
+
+    engine.runner.execute = recorded
+    assert kit.run_requests(engine, requests) == reference
+    assert {threads for tokens, threads, _ in seen if tokens < 8} == {1}
+    assert {threads for tokens, threads, _ in seen if tokens >= 8} == {2}
+    assert all(after == 2 for _, _, after in seen), "a step left the caller on another thread count"
+
+
+def test_graph_mode_runs_only_its_one_call_steps_on_one_thread(kit, tiny_models, two_threads):
+    """In graph mode the one-call decode steps were compiled for `threads_for` (the warm-up below), the
+    per-forward graphs for every thread: a small step that is not a one-call decode keeps them all."""
+    engine = kit.make_engine(tiny_models["deepseek_v3"], 1, single_thread_tokens=8)
+    runner = engine.runner
+    runner.graph_enabled = True
+    one_call = one_call_decode_steps(engine)  # uncompiled, the same code
+    seen = []
+    execute = runner.execute
+
+    def recorded(batch):
+        calls = len(one_call)
+        out = execute(batch)
+        seen.append((len(one_call) > calls, sum(batch.num_chunk_tokens) + sum(batch.num_draft_tokens),
+                     runner.last_step_threads))
+        return out
+
+    runner.execute = recorded
+    # a 3-token prompt: its prefill step is small too, but runs step by step
+    kit.run_requests(engine, {"a": ([11, 12, 13], kit.greedy(6))})
+    assert {threads for was_one_call, _, threads in seen if was_one_call} == {1}
+    assert [threads for was_one_call, _, threads in seen if not was_one_call] == [2]
+
+
+def test_decode_step_warm_up_compiles_each_batch_size_for_its_thread_count(two_threads):
+    step = GreedyDecodeStep(None, object(), 1, 16, compile_graph=False)
+    seen = []
+
+    def compiled(plan, main_caches, draft_caches):
+        seen.append((plan.shape[0], torch.get_num_threads()))
+
+    step._fn = compiled
+    step.warm_up([1, 2, 3, 4, 6, 8], 64, [], [], torch.device("cpu"),
+                 threads_for=lambda tokens: 1 if tokens < 8 else 2)
+    assert {b: t for b, t in seen} == {1: 1, 2: 1, 3: 1, 4: 2, 6: 2, 8: 2}  # k = 1: 2 tokens a sequence
+    assert torch.get_num_threads() == 2

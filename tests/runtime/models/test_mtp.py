@@ -194,3 +194,23 @@ def test_mtp_head_and_embedding_equal_to_the_main_ones_are_shared(tmp_path, tiny
         a = draft.compute_logits(draft.forward_batched(ids[None, 1:], hidden))
         b = unshared.compute_logits(unshared.forward_batched(ids[None, 1:], hidden))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "glm4_moe"])
+def test_write_keys_writes_exactly_the_cache_forward_writes(tiny_dirs, arch):
+    """Adaptive depth's k = 0 steps write the draft's keys without drafting (MtpDraft.write_keys, which
+    for MLA skips the query projections): the cache must hold what a full draft forward puts there."""
+    path = tiny_dirs[arch]
+    model = load_model(path)
+    draft = load_draft(path, model)
+    ids = torch.randint(3, 512, (14,), generator=torch.Generator().manual_seed(9))
+    n = 13
+    hidden = main_hidden(model, ids)
+    with torch.no_grad():
+        full, keys_only = new_caches(draft), new_caches(draft)
+        meta = AttentionMetadata.for_sequence(0, n, 4)
+        draft(ids[1:n + 1], hidden[:n], torch.arange(n), full, meta)
+        draft.write_keys(ids[1:n + 1], hidden[:n], torch.arange(n), keys_only, meta)
+    for name in full[0]:
+        assert keys_only[0][name].abs().sum() > 0, name
+        torch.testing.assert_close(keys_only[0][name], full[0][name], rtol=1e-5, atol=1e-6, msg=name)

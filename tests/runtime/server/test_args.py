@@ -45,6 +45,8 @@ def test_equals_and_space_forms_agree(model_dir):
 def test_defaults_and_draft_implies_one_token(model_dir):
     m, d = str(model_dir / "main"), str(model_dir / "draft")
     assert parse(["--model", m]).num_speculative_tokens == 0
+    assert parse(["--model", m]).single_thread_tokens == 8
+    assert parse(["--model", m, "--single_thread_tokens", "0"]).single_thread_tokens == 0
     assert parse(["--model", m, "--draft_model", d]).num_speculative_tokens == 1
     assert parse(["--model", m, "--enable_prefix_cache=false"]).enable_prefix_cache is False
     assert parse(["--model", m, "--enable_prefix_cache=false", "--enable_prefix_cache"]).enable_prefix_cache is True
@@ -77,6 +79,7 @@ def test_out_of_range_and_unsupported_values_name_the_flag(model_dir):
     reject(["--model", m, "--max_memory_utilization", "0"], "--max_memory_utilization")
     reject(["--model", m, "--max_memory_utilization", "1.5"], "--max_memory_utilization")
     reject(["--model", m, "--block_size", "0"], "--block_size")
+    reject(["--model", m, "--single_thread_tokens", "-1"], "--single_thread_tokens")
     reject(["--model", m, "--max_seqs_per_batch", "0"], "--max_seqs_per_batch")
     reject(["--model", m, "--max_tokens_per_batch", "0"], "--max_tokens_per_batch")
     reject(["--model", m, "--draft_model", d, "--num_speculative_tokens", "2", "--max_tokens_per_batch", "2"],
