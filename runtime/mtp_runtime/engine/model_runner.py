@@ -371,8 +371,8 @@ class ModelRunner:
         tables = [seq.block_table for seq in batch.seqs]
         meta = AttentionMetadata(d_qsl, d_context, tables, self._tensor(d_slots), self.block_size)
         args = (self._tensor(ids), hidden[self._tensor(rows)], self._tensor(rows_positions(meta)), self.draft_caches)
-        if not samplers:  # chunks of prompts still prefilling: their keys only
-            self.draft(*args, meta)
+        if not samplers:  # chunks of prompts still prefilling: their keys only, no attention or MLP
+            self.draft.write_keys(*args, meta)
             return
         k = batch.num_speculative_tokens
         if not k:  # adaptive depth at k = 0: the keys only, and filler for the next step to verify
