@@ -184,15 +184,22 @@ class ModelRunner:
         and leaves each sampled sequence's next drafts in seq.draft_token_ids."""
         if self.on_step is not None:
             self.on_step(batch.num_speculative_tokens)
-        tokens = sum(batch.num_chunk_tokens) + sum(batch.num_draft_tokens)
         if self.decode_step is not None or self.decode_steps:
             decoding = [i for i in range(len(batch)) if self._is_greedy_decode_row(batch, i)]
-            if len(decoding) == len(batch):  # the one-call step's graphs were compiled for `threads_for`
-                with self._step_threads(self.threads_for(tokens)):
-                    return self._execute_decode_step(batch)
+            if len(decoding) == len(batch):
+                return self._run_decode_step(batch)
             if decoding:
                 return self._execute_split(batch, decoding)
-        # the per-forward graphs were compiled for every thread; an eager step can take any count
+        return self._run_eager(batch)
+
+    def _run_decode_step(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
+        """The one-call step, on the threads its graphs were compiled for (warm-up: `threads_for`)."""
+        with self._step_threads(self.threads_for(len(batch) * (batch.num_speculative_tokens + 1))):
+            return self._execute_decode_step(batch)
+
+    def _run_eager(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[int]]:
+        """The general step: the per-forward graphs were compiled for every thread; eager takes any count."""
+        tokens = sum(batch.num_chunk_tokens) + sum(batch.num_draft_tokens)
         with self._step_threads(self.threads if self.graph_enabled else self.threads_for(tokens)):
             return self._execute_eager(batch)
 
@@ -250,7 +257,7 @@ class ModelRunner:
         rest = [i for i in range(len(batch)) if i not in chosen]
         new_tokens: list[list[int]] = [[] for _ in batch.seqs]
         accepted = [0] * len(batch.seqs)
-        for rows, run in ((decoding, self._execute_decode_step), (rest, self._execute_eager)):
+        for rows, run in ((decoding, self._run_decode_step), (rest, self._run_eager)):
             tokens, acc = run(batch.subset(rows))
             for i, t, a in zip(rows, tokens, acc):
                 new_tokens[i], accepted[i] = t, a

@@ -219,26 +219,30 @@ def test_small_steps_run_on_one_thread_and_output_does_not_change(kit, tiny_mode
 
 def test_graph_mode_runs_only_its_one_call_steps_on_one_thread(kit, tiny_models, two_threads):
     """In graph mode the one-call decode steps were compiled for `threads_for` (the warm-up below), the
-    per-forward graphs for every thread: a small step that is not a one-call decode keeps them all."""
+    per-forward graphs for every thread: the one-call part of any step (a step that mixes decodes with
+    a prompt included) runs on `threads_for` its tokens, the rest on every thread."""
     engine = kit.make_engine(tiny_models["deepseek_v3"], 1, single_thread_tokens=8)
     runner = engine.runner
     runner.graph_enabled = True
-    one_call = one_call_decode_steps(engine)  # uncompiled, the same code
-    seen = []
-    execute = runner.execute
+    step = GreedyDecodeStep(runner.main, runner.draft, 1, runner.block_size, compile_graph=False)
+    one_call, eager = [], []
 
-    def recorded(batch):
-        calls = len(one_call)
-        out = execute(batch)
-        seen.append((len(one_call) > calls, sum(batch.num_chunk_tokens) + sum(batch.num_draft_tokens),
-                     runner.last_step_threads))
-        return out
+    def decode_step(plan, *args):
+        one_call.append((plan.shape[0], torch.get_num_threads()))
+        return step(plan, *args)
 
-    runner.execute = recorded
-    # a 3-token prompt: its prefill step is small too, but runs step by step
-    kit.run_requests(engine, {"a": ([11, 12, 13], kit.greedy(6))})
-    assert {threads for was_one_call, _, threads in seen if was_one_call} == {1}
-    assert [threads for was_one_call, _, threads in seen if not was_one_call] == [2]
+    def general_step(batch, run=runner._execute_eager):
+        eager.append(torch.get_num_threads())
+        return run(batch)
+
+    runner.decode_step, runner._execute_eager = decode_step, general_step
+    # "b" arrives while "a" decodes: its prompt's step also decodes "a" (the split path); the
+    # 3-token prompt's own step is small too, but runs step by step
+    requests = {"a": ([11, 12, 13], kit.greedy(8)), "b": (list(range(20, 40)), kit.greedy(4))}
+    kit.run_requests(engine, requests, arrivals={0: ["a"], 3: ["b"]})
+    assert one_call and {threads for _, threads in one_call} == {1}  # at most 2 x 2 tokens a step
+    assert len(eager) >= 2 and set(eager) == {2}
+    assert torch.get_num_threads() == 2
 
 
 def test_decode_step_warm_up_compiles_each_batch_size_for_its_thread_count(two_threads):
