@@ -83,9 +83,10 @@ def seed_policy(policy: AdaptivePolicy, machine: Machine, max_batch: int, reps: 
 
 def run(batch: int, seed: int, fixed: int | None = None, policy: AdaptivePolicy | None = None,
         waves: int = 4, tokens: int = 64, noise: float = 0.1, drift: float = 0.02,
-        quality: tuple[float, ...] = QUALITY) -> tuple[float, float]:
+        quality: tuple[float, ...] = QUALITY, drain: bool = True) -> tuple[float, float]:
     """One closed-batch run: `waves` batches of `batch` prompts, `tokens` each, one after another, at a
-    fixed k or with `policy`. Returns (tokens/s, mean k per step)."""
+    fixed k or with `policy`; `drain`: the policy is told the batch is closed, with every sequence's
+    tokens left and verifies, as LLM.generate's engine tells it. Returns (tokens/s, mean k per step)."""
     machine = Machine(seed + 7919, noise, drift)
     luck = random.Random(seed)  # the drafts' accept/reject draws
     if policy is not None:
@@ -96,13 +97,21 @@ def run(batch: int, seed: int, fixed: int | None = None, policy: AdaptivePolicy 
         drafted = [0] * batch  # drafts the sequence's previous step made for this one
         prompts = random.Random(seed * 1009 + wave)  # the wave's prompts: the same for every system
         q = [prompts.choice(quality) for _ in range(batch)]
+        tried = [[0] * len(P) for _ in range(batch)]
+        hits = [[0] * len(P) for _ in range(batch)]
         while any(n > 0 for n in left):
             live = [i for i in range(batch) if left[i] > 0]
-            k = fixed if policy is None else policy.choose(len(live))
+            if policy is None:
+                k = fixed
+            else:
+                k = policy.choose(len(live), [(left[i], tried[i], hits[i]) for i in live] if drain else None)
             for i in live:
                 real, accepted = min(k, drafted[i]), 0
                 while accepted < real and luck.random() < min(0.98, P[accepted] * q[i]):
                     accepted += 1
+                for j in range(min(accepted + 1, real)):
+                    tried[i][j] += 1
+                    hits[i][j] += j < accepted
                 if policy is not None and real:
                     policy.record_verify(real, accepted)
                 left[i] -= 1 + accepted
@@ -123,8 +132,8 @@ def compare(batches: list[int], seeds: int, policies: dict, **workload) -> dict:
     for b in batches:
         fixed = [statistics.median(run(b, s, fixed=k, **workload)[0] for s in range(seeds)) for k in COSTS_MS]
         row = {f"k={k}": fixed[k] / fixed[0] for k in COSTS_MS}
-        for name, make in policies.items():
-            results = [run(b, s, policy=make(), **workload) for s in range(seeds)]
+        for name, (make, drain) in policies.items():
+            results = [run(b, s, policy=make(), drain=drain, **workload) for s in range(seeds)]
             speed = statistics.median(r[0] for r in results)
             row[name] = speed / fixed[0]
             row[f"{name} / best fixed"] = speed / max(fixed)
@@ -144,9 +153,10 @@ def main() -> None:
     p.add_argument("--switch-margin", default="", help="also run the policy with these switch margins")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    policies = {"adaptive": lambda: AdaptivePolicy(3)}
+    policies = {"adaptive": (lambda: AdaptivePolicy(3), True),
+                "adaptive per step": (lambda: AdaptivePolicy(3), False)}  # not told the batch is closed
     for m in filter(None, args.switch_margin.split(",")):
-        policies[f"adaptive margin {m}"] = lambda m=float(m): AdaptivePolicy(3, switch_margin=m)
+        policies[f"adaptive margin {m}"] = (lambda m=float(m): AdaptivePolicy(3, switch_margin=m), True)
     workload = dict(waves=args.waves, tokens=args.tokens, noise=args.noise,
                     quality=(1.0,) if args.uniform else QUALITY)
     table = compare([int(b) for b in args.batches.split(",")], args.seeds, policies, **workload)

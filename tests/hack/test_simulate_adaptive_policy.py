@@ -40,9 +40,20 @@ def test_spread_acceptance_makes_a_closed_batch_drain_to_its_slowest_sequence(si
 
 
 def test_the_policy_falls_to_k0_when_no_draft_agrees(sim):
-    row = sim.compare([16], 2, {"adaptive": lambda: sim.AdaptivePolicy(3)}, waves=2, quality=(0.0,))[16]
+    row = sim.compare([16], 2, {"adaptive": (lambda: sim.AdaptivePolicy(3), True)}, waves=2, quality=(0.0,))[16]
     assert row["adaptive mean k"] < 0.2
     assert row["adaptive"] > 0.95 and row["k=1"] < 0.8
+
+
+def test_told_the_batch_is_closed_the_policy_speculates_less_where_the_tail_costs(sim):
+    """Prompts whose drafts agree very differently: at batch 32 the per-step choice (k = 1, which pays
+    per step) leaves a long tail; the closed-batch choice, which sees each sequence's acceptance and
+    tokens left, speculates less and finishes sooner."""
+    spread = (0.1, 0.5, 1.0, 1.25)
+    policies = {"closed": (lambda: sim.AdaptivePolicy(3), True), "per step": (lambda: sim.AdaptivePolicy(3), False)}
+    row = sim.compare([32], 4, policies, waves=2, quality=spread)[32]
+    assert row["closed mean k"] < row["per step mean k"]
+    assert row["closed"] > row["per step"]
 
 
 def test_the_cli_prints_a_table_and_writes_json(sim, tmp_path, monkeypatch, capsys):

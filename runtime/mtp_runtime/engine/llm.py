@@ -50,8 +50,12 @@ class LLM:
             self.engine.step()
             raise
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        self.engine.closed_batch = True  # no request arrives until these are done
+        try:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        finally:
+            self.engine.closed_batch = False
         return [finished[i] for i in ids]

@@ -134,6 +134,9 @@ class LLMEngine:
         self._totals = {"prompt": 0, "generation": 0}
         self.last_step: StepRecord | None = None
         self.policy_warm_up_s = 0.0
+        # True while no request beyond those queued will arrive (LLM.generate): once nothing waits,
+        # adaptive depth picks the k that finishes the running sequences soonest (engine/spec_policy.py)
+        self.closed_batch = False
         self._policy_seeded = not self.policy.adaptive
         # With several ranks every model call is broadcast by wrappers put in place after this
         # constructor (multinode/serve_group.py), which then seeds the policy; a lone rank 0 cannot run
@@ -239,7 +242,11 @@ class LLMEngine:
         decoding = [nd > 0 for nd in batch.num_draft_tokens]
         if not self.policy.adaptive:
             return decoding
-        k = self.policy.choose(max(1, sum(batch.samples)))
+        draining = None
+        if self.closed_batch and not self.scheduler.waiting and self._inbox.empty():
+            draining = [(seq.max_output_tokens - seq.num_output_tokens, seq.tried_per_position,
+                         seq.accepted_per_position) for seq in self.scheduler.running]
+        k = self.policy.choose(max(1, sum(batch.samples)), draining)
         batch.num_speculative_tokens = k
         batch.num_real_drafts = []
         for i, seq in enumerate(batch.seqs):

@@ -55,6 +55,7 @@ class Sequence:
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.accepted_per_position: list[int] = []
+        self.tried_per_position: list[int] = []  # verifies that reached draft j (the ones before it accepted)
         self.verify_steps = 0
         # timing
         self.arrival_time = time.perf_counter()
@@ -102,8 +103,11 @@ class Sequence:
         self.verify_steps += 1
         if len(self.accepted_per_position) < num_drafts:
             self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
+            self.tried_per_position.extend([0] * (num_drafts - len(self.tried_per_position)))
         for pos in range(num_accepted):
             self.accepted_per_position[pos] += 1
+        for pos in range(min(num_accepted + 1, num_drafts)):
+            self.tried_per_position[pos] += 1
 
     def ttft_s(self) -> float | None:
         if self.first_token_time is None:

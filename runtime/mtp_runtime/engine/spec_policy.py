@@ -27,6 +27,18 @@ verifies filler for the drafts the earlier step did not make (engine:
 `Sequence.num_real_drafts`; only real drafts are counted as evidence); a
 probe of a lower k only refreshes its cost, lasts one step and comes every
 fourth probe time.
+
+A closed batch (`choose(..., draining=...)`): when no request waits and none
+will arrive (the offline `LLM.generate`, once its last prompt is admitted),
+the batch drains to its slowest sequence, and tokens per second of each step
+is the wrong goal: drafts that speed up the sequences that would finish
+early anyway leave a tail of steps in which the slow ones run with a few
+sequences at nearly the cost of a full batch. So the policy then picks the k
+whose estimated time to finish every running sequence is least: sequence i,
+with R_i tokens left and its own acceptance (its verifies so far, shrunk
+towards the policy's estimate by `sequence_prior_weight` verifies), needs
+n_i(k) = R_i / E_i[k] more steps, and the time is the sum over the steps to
+come of c(k, b) at the number b of sequences still running.
 """
 
 from __future__ import annotations
@@ -62,7 +74,7 @@ class FixedPolicy:
             raise ValueError(f"FixedPolicy: k={k!r} must be an integer >= 0")
         self.k = self.max_k = k
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, draining=None) -> int:
         return self.k
 
     def record_step(self, k: int, batch_size: int, seconds: float) -> None:
@@ -99,6 +111,9 @@ class AdaptivePolicy:
     switch_margin: float = 0.03
     prior_acceptance: float = 0.5  # p_j before any evidence, with weight prior_weight (in verifies)
     prior_weight: float = 0.1
+    # a sequence's own verifies that weigh as much as the policy's estimate in its acceptance (closed batches)
+    sequence_prior_weight: float = 4.0
+    drain_interval: int = 4  # a closed batch's choice is revised every this many steps
     seed: int = 0
     adaptive = True
     _tries: list[float] = field(init=False)
@@ -110,6 +125,7 @@ class AdaptivePolicy:
     _probe_k: int = field(init=False, default=0)
     _until_probe: int = field(init=False, default=0)
     _probe_turn: int = field(init=False, default=0)
+    _drain_wait: int = field(init=False, default=0)
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -121,8 +137,10 @@ class AdaptivePolicy:
         if not 0 < self.cost_smoothing <= 1 or not 0 < self.load_smoothing <= 1:
             raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing} and load_smoothing="
                              f"{self.load_smoothing} must lie in (0, 1]")
-        if self.probe_interval < 1 or self.probe_steps < 1:
-            raise ValueError("AdaptivePolicy: probe_interval and probe_steps must be >= 1")
+        if self.sequence_prior_weight <= 0:
+            raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} must be > 0")
+        if self.probe_interval < 1 or self.probe_steps < 1 or self.drain_interval < 1:
+            raise ValueError("AdaptivePolicy: probe_interval, probe_steps and drain_interval must be >= 1")
         self._tries = [0.0] * self.max_k
         self._hits = [0.0] * self.max_k
         self._rng = random.Random(self.seed)
@@ -184,40 +202,97 @@ class AdaptivePolicy:
         """Estimated seconds of a step at depth k for this batch size: its bucket's estimate, else
         the nearest measured bucket's; None when depth k was never measured."""
         bucket = batch_bucket(batch_size)
+        cost = self._costs.get((k, bucket))
+        if cost is not None:
+            return cost.seconds * self._load.get(bucket, 1.0)
         known = [(abs(b.bit_length() - bucket.bit_length()), b) for kk, b in self._costs if kk == k]
         if not known:
             return None
         nearest = min(known)[1]
         return self._costs[(k, nearest)].seconds * self._load.get(nearest, 1.0)
 
-    def scores(self, batch_size: int) -> list[float | None]:
-        """Expected tokens per second at each depth (None: no cost measured yet). A step at k does all
-        the work of one at k - 1 and more, so its cost counts as at least that of every smaller k
-        (timing noise would otherwise make a deep, useless k look cheap)."""
+    def step_costs(self, batch_size: int) -> list[float | None]:
+        """cost(k, batch_size) for k = 0..max_k, each at least that of every smaller k: a step at k does
+        all the work of one at k - 1 and more (timing noise would otherwise make a deep, useless k look
+        cheap). None where depth k was never measured."""
         out: list[float | None] = []
         floor = 0.0
         for k in range(self.max_k + 1):
             c = self.cost(k, batch_size)
             if c is not None:
                 floor = max(floor, c)
-            out.append(None if c is None else self.expected_tokens(k) / floor)
+            out.append(None if c is None else floor)
+        return out
+
+    def scores(self, batch_size: int) -> list[float | None]:
+        """Expected tokens per second at each depth (None: no cost measured yet)."""
+        return [None if c is None else self.expected_tokens(k) / c for k, c in enumerate(self.step_costs(batch_size))]
+
+    def sequence_expected_tokens(self, tried: list[int], accepted: list[int],
+                                 acceptance: list[float] | None = None) -> list[float]:
+        """E[k] for k = 0..max_k of one sequence whose draft j was tried tried[j-1] times and accepted
+        accepted[j-1] times (Sequence.tried_per_position / accepted_per_position): its own rates,
+        shrunk towards the policy's (`acceptance`, default: `acceptance()`) by `sequence_prior_weight`
+        verifies."""
+        w = self.sequence_prior_weight
+        out, total, run = [1.0], 1.0, 1.0
+        for j, p in enumerate(self.acceptance() if acceptance is None else acceptance):
+            t = tried[j] if j < len(tried) else 0
+            h = accepted[j] if j < len(accepted) else 0
+            run *= (h + w * p) / (t + w)
+            total += run
+            out.append(total)
+        return out
+
+    def drain_scores(self, draining) -> list[float | None]:
+        """For a closed batch (module docstring): tokens per second until every running sequence is done,
+        at each depth held from now on (None: no cost measured yet). `draining`: (tokens left, tried
+        per position, accepted per position) of every running sequence."""
+        p = self.acceptance()
+        left = [(max(0, r), self.sequence_expected_tokens(t, a, p)) for r, t, a in draining]
+        total = sum(r for r, _ in left)
+        n = len(left)
+        buckets = [batch_bucket(b) for b in range(1, n + 1)]
+        table = {b: self.step_costs(b) for b in set(buckets)}  # each bucket's costs looked up once
+        out: list[float | None] = []
+        for k in range(self.max_k + 1):
+            cost_at = [table[b][k] for b in buckets]  # cost_at[b - 1]: a step of b sequences at depth k
+            if None in cost_at:
+                out.append(None)
+                continue
+            seconds, done = 0.0, 0.0
+            for m, s in enumerate(sorted(r / e[k] for r, e in left)):  # n - m sequences run until step s
+                seconds += (s - done) * cost_at[n - m - 1]
+                done = s
+            out.append(total / seconds if seconds > 0 else float("inf"))
         return out
 
     # the choice -------------------------------------------------------------------
 
-    def choose(self, batch_size: int) -> int:
-        """The k of the next step, whose batch holds about `batch_size` decoding sequences."""
+    def choose(self, batch_size: int, draining=None) -> int:
+        """The k of the next step, whose batch holds about `batch_size` decoding sequences. `draining`:
+        given when the batch is closed (nothing waits, nothing will arrive), (tokens left, tried per
+        position, accepted per position) of every running sequence; with two or more, the k that
+        finishes them soonest is chosen (module docstring)."""
         if self._probe_left:
             self._probe_left -= 1
             return self._probe_k
-        scores = self.scores(max(1, batch_size))
-        unmeasured = [k for k, s in enumerate(scores) if s is None]
-        if unmeasured:  # measure every depth once before trusting the comparison
-            return self._start_probe(unmeasured[0])
-        best = max(range(len(scores)), key=lambda k: scores[k])
-        current = scores[self._current]
-        if best != self._current and scores[best] > current * (1 + self.switch_margin):
-            self._current = best
+        scores: list[float | None] | None
+        if draining is not None and len(draining) > 1:
+            # a drain's outlook changes slowly, and its estimate costs ~100 us at 32 sequences in Python
+            self._drain_wait, fresh = (self._drain_wait - 1, False) if self._drain_wait else (self.drain_interval - 1, True)
+            scores = self.drain_scores(draining) if fresh else None
+        else:
+            self._drain_wait = 0
+            scores = self.scores(max(1, batch_size))
+        if scores is not None:
+            unmeasured = [k for k, s in enumerate(scores) if s is None]
+            if unmeasured:  # measure every depth once before trusting the comparison
+                return self._start_probe(unmeasured[0])
+            best = max(range(len(scores)), key=lambda k: scores[k])
+            current = scores[self._current]
+            if best != self._current and scores[best] > current * (1 + self.switch_margin):
+                self._current = best
         self._until_probe -= 1
         if self._until_probe <= 0:
             self._until_probe = self._next_probe_gap()

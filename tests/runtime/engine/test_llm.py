@@ -135,3 +135,46 @@ def test_requests_added_from_other_threads_while_stepping(kit, tiny_models):
                 outputs[out.request_id] = out.token_ids
     assert outputs == expected
     assert engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0
+
+
+def test_generate_tells_adaptive_depth_when_its_batch_is_closed(tiny_models):
+    """LLM.generate: once its last prompt is admitted (nothing waits, nothing will arrive), the policy
+    gets every running sequence's tokens left and verifies; before that, and for requests fed to the
+    engine directly (the server's way), it gets none."""
+    from mtp_runtime import LLM
+
+    llm = LLM(tiny_models["deepseek_v3"], num_speculative_tokens=2, speculative_adaptive=True, max_model_len=96,
+              block_size=4, max_seqs_per_batch=2, enable_graph=False)
+    engine, calls = llm.engine, []
+
+    def recording(batch_size, draining=None):  # every step verifies one draft, so sequences have a record
+        calls.append((len(engine.scheduler.waiting), draining and [(left, list(tried), list(hit))
+                                                                   for left, tried, hit in draining]))
+        return 1
+    engine.policy.choose = recording
+    outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12], [13]], SamplingParams(temperature=0, max_tokens=10,
+                                                                                ignore_eos=True))
+    assert not engine.closed_batch
+    assert all(d is None for waiting, d in calls if waiting)
+    closed = [d for waiting, d in calls if not waiting]
+    assert closed and all(d is not None and 1 <= len(d) <= 2 for d in closed)
+    assert all(0 <= left <= 10 and len(tried) == len(hit) and all(h <= t for h, t in zip(hit, tried))
+               for d in closed for left, tried, hit in d)
+    assert any(sum(tried) > 0 for d in closed for _, tried, _ in d)  # verifies so far are counted
+    assert [len(o.token_ids) for o in outs] == [10] * 4
+    calls.clear()
+    engine.add_request("direct", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert calls and all(d is None for _, d in calls)
+
+
+def test_a_sequence_counts_the_verifies_that_reached_each_draft():
+    from mtp_runtime.engine.sequence import Sequence
+
+    seq = Sequence("r", [1, 2], SamplingParams(), 64)
+    seq.record_verify(3, 1)  # draft 1 accepted, draft 2 rejected, draft 3 never judged
+    seq.record_verify(2, 2)  # both accepted
+    seq.record_verify(3, 0)
+    assert seq.tried_per_position == [3, 2, 0]
+    assert seq.accepted_per_position == [2, 1, 0]

@@ -130,7 +130,7 @@ class RandomDepth:
     def __init__(self, max_k: int, seed: int):
         self.max_k, self.rng, self.chosen = max_k, random.Random(seed), []
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, draining=None) -> int:
         self.chosen.append(self.rng.randint(0, self.max_k))
         return self.chosen[-1]
 
@@ -174,7 +174,7 @@ class ScriptedDepth(RandomDepth):
         super().__init__(max(ks), 0)
         self.script = list(ks)
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, draining=None) -> int:
         self.chosen.append(self.script[len(self.chosen) % len(self.script)])
         return self.chosen[-1]
 

@@ -195,3 +195,58 @@ def test_a_machine_that_slows_down_does_not_make_the_depth_in_use_look_dear():
         chosen.append(k)
     assert chosen[10:] == [1] * 190
     assert policy.cost(0, 4) == pytest.approx(2.5, rel=0.15)  # the load moved every k's estimate
+
+
+def test_a_sequence_s_own_verifies_move_its_expected_tokens_from_the_policy_s():
+    policy = AdaptivePolicy(2, prior_weight=1e-9, sequence_prior_weight=4.0)
+    for _ in range(20):
+        policy.record_verify(2, 2)
+        policy.record_verify(2, 1)  # p = [1, 0.5]
+    assert policy.sequence_expected_tokens([], []) == pytest.approx([1.0, 2.0, 2.5])  # no evidence: the policy's
+    # tried draft 1 twelve times, never accepted: (0 + 4 * 1) / (12 + 4) = 0.25 at position 1
+    assert policy.sequence_expected_tokens([12, 0], [0, 0]) == pytest.approx([1.0, 1.25, 1.25 + 0.25 * 0.5])
+    with pytest.raises(ValueError, match="sequence_prior_weight"):
+        AdaptivePolicy(2, sequence_prior_weight=0)
+
+
+def _closed_batch_policy(**options) -> AdaptivePolicy:
+    """k = 1 pays per step at batch 32 (2 tokens for 1.6x the cost: 1.25x), and a few sequences cost
+    nearly as much as a full batch."""
+    def cost(k, b):
+        return {1: 0.7, 2: 0.72, 4: 0.75, 8: 0.8, 16: 0.9, 32: 1.0}[b] * (1.0 + 0.6 * k)
+
+    policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6, **options)
+    for k in (0, 1):
+        for b in (1, 2, 4, 8, 16, 32):
+            policy.record_step(k, b, cost(k, b))
+    for _ in range(50):
+        policy.record_verify(1, 1)  # p = 1 on average over the batch
+    return policy
+
+
+def test_a_closed_batch_with_slow_sequences_is_finished_sooner_without_drafts():
+    policy = _closed_batch_policy(drain_interval=1)
+    assert policy.choose(32) == 1  # per step, k = 1 gives the most tokens per second
+    fast, slow = ([20], [20]), ([20], [0])  # draft 1 tried 20 times: always / never accepted
+    draining = [(60, *fast)] * 28 + [(60, *slow)] * 4
+    # k = 1: the fast ones finish in ~31 steps of a full batch, the slow ones need ~50, the last ~19 at
+    # 4 sequences; k = 0: 60 steps of a full batch, each 1/1.6 of the cost
+    at_k0, at_k1 = policy.drain_scores(draining)
+    assert at_k0 > at_k1
+    assert policy.choose(32, draining) == 0
+    # every sequence alike: a closed batch gains what a step gains
+    alike = [(60, *fast)] * 32
+    at_k0, at_k1 = policy.drain_scores(alike)
+    assert at_k1 / at_k0 == pytest.approx(policy.scores(32)[1] / policy.scores(32)[0], rel=0.02)
+    assert policy.choose(32, alike) == 1
+    # one sequence: the per-step choice, whatever its own record says
+    assert policy.choose(1, [(60, *slow)]) == policy.choose(1)
+
+
+def test_a_closed_batch_s_choice_is_revised_every_drain_interval_steps():
+    policy = _closed_batch_policy(drain_interval=4)
+    fast, slow = (60, [20], [20]), (60, [20], [0])
+    assert policy.choose(32) == 1
+    assert [policy.choose(32, [slow] * 4 + [fast] * 28) for _ in range(2)] == [0, 0]  # revised at the first
+    # every sequence fast now: k = 1 pays again, but the choice holds for the rest of the 4 steps
+    assert [policy.choose(32, [fast] * 32) for _ in range(5)] == [0, 0, 1, 1, 1]
