@@ -36,7 +36,8 @@ early anyway leave a tail of steps in which the slow ones run with a few
 sequences at nearly the cost of a full batch. So the policy then picks the k
 whose estimated time to finish every running sequence is least: sequence i,
 with R_i tokens left and its own acceptance (its verifies so far, shrunk
-towards the policy's estimate by `sequence_prior_weight` verifies), needs
+towards the policy's long-run estimate by `sequence_prior_weight` verifies:
+the recent one, at the end of a batch, is its slowest sequences'), needs
 n_i(k) = R_i / E_i[k] more steps, and the time is the sum over the steps to
 come of c(k, b) at the number b of sequences still running.
 """
@@ -113,11 +114,14 @@ class AdaptivePolicy:
     prior_weight: float = 0.1
     # a sequence's own verifies that weigh as much as the policy's estimate in its acceptance (closed batches)
     sequence_prior_weight: float = 4.0
+    long_decay: float = 0.995  # per step, for the long-run acceptance a closed batch's sequences start from
     drain_interval: int = 4  # a closed batch's choice is revised every this many steps
     seed: int = 0
     adaptive = True
     _tries: list[float] = field(init=False)
     _hits: list[float] = field(init=False)
+    _long_tries: list[float] = field(init=False)  # the same counts, decayed by long_decay
+    _long_hits: list[float] = field(init=False)
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # at unit load
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
     _current: int = field(init=False, default=0)
@@ -132,8 +136,8 @@ class AdaptivePolicy:
         if not isinstance(self.max_k, int) or self.max_k < 1:
             raise ValueError(f"AdaptivePolicy: max_k={self.max_k!r} must be an integer >= 1 "
                              f"(--num_speculative_tokens is the largest k adaptive depth may choose)")
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"AdaptivePolicy: decay={self.decay} must lie in (0, 1]")
+        if not 0 < self.decay <= 1 or not 0 < self.long_decay <= 1:
+            raise ValueError(f"AdaptivePolicy: decay={self.decay} and long_decay={self.long_decay} must lie in (0, 1]")
         if not 0 < self.cost_smoothing <= 1 or not 0 < self.load_smoothing <= 1:
             raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing} and load_smoothing="
                              f"{self.load_smoothing} must lie in (0, 1]")
@@ -143,6 +147,8 @@ class AdaptivePolicy:
             raise ValueError("AdaptivePolicy: probe_interval, probe_steps and drain_interval must be >= 1")
         self._tries = [0.0] * self.max_k
         self._hits = [0.0] * self.max_k
+        self._long_tries = [0.0] * self.max_k
+        self._long_hits = [0.0] * self.max_k
         self._rng = random.Random(self.seed)
         self._until_probe = self._next_probe_gap()
 
@@ -156,8 +162,10 @@ class AdaptivePolicy:
         accepted = min(accepted, real)
         for j in range(min(accepted + 1, real)):
             self._tries[j] += 1.0
+            self._long_tries[j] += 1.0
             if j < accepted:
                 self._hits[j] += 1.0
+                self._long_hits[j] += 1.0
 
     def record_step(self, k: int, batch_size: int, seconds: float) -> None:
         """The wall time of a step of `batch_size` decoding sequences at depth k (decode-only
@@ -182,6 +190,8 @@ class AdaptivePolicy:
         for j in range(self.max_k):
             self._tries[j] *= self.decay
             self._hits[j] *= self.decay
+            self._long_tries[j] *= self.long_decay
+            self._long_hits[j] *= self.long_decay
 
     # estimates -----------------------------------------------------------------
 
@@ -189,6 +199,13 @@ class AdaptivePolicy:
         """p_j for j = 1..max_k: chance that draft j is accepted given the drafts before it were."""
         w, p0 = self.prior_weight, self.prior_acceptance
         return [(h + w * p0) / (t + w) for h, t in zip(self._hits, self._tries)]
+
+    def long_run_acceptance(self) -> list[float]:
+        """p_j over the last ~1 / (1 - long_decay) steps: what a sequence that has not verified yet is
+        expected to accept in a closed batch (the recent estimate, at the end of a batch, is that of its
+        slowest sequences alone)."""
+        w, p0 = self.prior_weight, self.prior_acceptance
+        return [(h + w * p0) / (t + w) for h, t in zip(self._long_hits, self._long_tries)]
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one sequence gains from a step at depth k (the verified token plus accepted drafts)."""
@@ -232,11 +249,11 @@ class AdaptivePolicy:
                                  acceptance: list[float] | None = None) -> list[float]:
         """E[k] for k = 0..max_k of one sequence whose draft j was tried tried[j-1] times and accepted
         accepted[j-1] times (Sequence.tried_per_position / accepted_per_position): its own rates,
-        shrunk towards the policy's (`acceptance`, default: `acceptance()`) by `sequence_prior_weight`
+        shrunk towards `acceptance` (default: `long_run_acceptance()`) by `sequence_prior_weight`
         verifies."""
         w = self.sequence_prior_weight
         out, total, run = [1.0], 1.0, 1.0
-        for j, p in enumerate(self.acceptance() if acceptance is None else acceptance):
+        for j, p in enumerate(self.long_run_acceptance() if acceptance is None else acceptance):
             t = tried[j] if j < len(tried) else 0
             h = accepted[j] if j < len(accepted) else 0
             run *= (h + w * p) / (t + w)
@@ -248,7 +265,7 @@ class AdaptivePolicy:
         """For a closed batch (module docstring): tokens per second until every running sequence is done,
         at each depth held from now on (None: no cost measured yet). `draining`: (tokens left, tried
         per position, accepted per position) of every running sequence."""
-        p = self.acceptance()
+        p = self.long_run_acceptance()
         left = [(max(0, r), self.sequence_expected_tokens(t, a, p)) for r, t, a in draining]
         total = sum(r for r, _ in left)
         n = len(left)

@@ -250,3 +250,19 @@ def test_a_closed_batch_s_choice_is_revised_every_drain_interval_steps():
     assert [policy.choose(32, [slow] * 4 + [fast] * 28) for _ in range(2)] == [0, 0]  # revised at the first
     # every sequence fast now: k = 1 pays again, but the choice holds for the rest of the 4 steps
     assert [policy.choose(32, [fast] * 32) for _ in range(5)] == [0, 0, 1, 1, 1]
+
+
+def test_a_batch_s_slow_tail_does_not_set_what_the_next_batch_s_sequences_are_expected_to_accept():
+    policy = AdaptivePolicy(1, prior_weight=1e-9)
+    for _ in range(100):  # a batch of sequences whose drafts agree
+        for _ in range(8):
+            policy.record_verify(1, 1)
+        policy.end_step()
+    for _ in range(40):  # its last sequence, alone, whose drafts never agree
+        policy.record_verify(1, 0)
+        policy.end_step()
+    assert policy.acceptance()[0] < 0.2  # the recent estimate: that sequence's
+    assert policy.long_run_acceptance()[0] > 0.9
+    assert policy.sequence_expected_tokens([], [])[1] > 1.9  # a fresh sequence starts from the long run
+    with pytest.raises(ValueError, match="long_decay"):
+        AdaptivePolicy(2, long_decay=1.5)
