@@ -197,15 +197,17 @@ class AdaptivePolicy:
 
     def acceptance(self) -> list[float]:
         """p_j for j = 1..max_k: chance that draft j is accepted given the drafts before it were."""
-        w, p0 = self.prior_weight, self.prior_acceptance
-        return [(h + w * p0) / (t + w) for h, t in zip(self._hits, self._tries)]
+        return self._rates(self._hits, self._tries)
 
     def long_run_acceptance(self) -> list[float]:
         """p_j over the last ~1 / (1 - long_decay) steps: what a sequence that has not verified yet is
         expected to accept in a closed batch (the recent estimate, at the end of a batch, is that of its
         slowest sequences alone)."""
+        return self._rates(self._long_hits, self._long_tries)
+
+    def _rates(self, hits: list[float], tries: list[float]) -> list[float]:
         w, p0 = self.prior_weight, self.prior_acceptance
-        return [(h + w * p0) / (t + w) for h, t in zip(self._long_hits, self._long_tries)]
+        return [(h + w * p0) / (t + w) for h, t in zip(hits, tries)]
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one sequence gains from a step at depth k (the verified token plus accepted drafts)."""
