@@ -25,7 +25,8 @@ process (engines sharing one process share the compiler's caches, the
 allocator and the CPU caches, and their timings drifted with the order they
 were built in). The processes start together and then take turns: one
 measures while the others wait, idle, for their next turn. Figures are
-medians over the repeats; a speed-up is the median of the ratios within each repeat.
+medians over the repeats; a speed-up is the median of the ratios within each repeat, and the
+adaptive rows of the targets show the lowest and highest of those ratios beside it.
 """
 
 from __future__ import annotations
@@ -262,13 +263,18 @@ def measure(systems: dict, prompts, batches, max_tokens: int, repeats: int, wave
     return results
 
 
-def speedup_over(point: dict, base: dict) -> float:
-    """tokens/s of `point` over `base`: the median of the ratios within each repeat (the two ran
-    back to back, so a slow spell of the machine hits both), else the ratio of the two figures."""
+def paired_ratios(point: dict, base: dict) -> list[float]:
+    """tokens/s of `point` over `base` within each repeat (the two ran back to back, so a slow spell
+    of the machine hits both), else the one ratio of the two figures."""
     a, b = point.get("seconds_samples"), base.get("seconds_samples")
     if a and b and len(a) == len(b):
-        return statistics.median(sb / sa for sa, sb in zip(a, b))
-    return point["tokens_per_s"] / base["tokens_per_s"]
+        return [sb / sa for sa, sb in zip(a, b)]
+    return [point["tokens_per_s"] / base["tokens_per_s"]]
+
+
+def speedup_over(point: dict, base: dict) -> float:
+    """tokens/s of `point` over `base`: the median of `paired_ratios`."""
+    return statistics.median(paired_ratios(point, base))
 
 
 def summarize(systems: dict, ks, batches) -> dict:
@@ -295,16 +301,24 @@ def summarize(systems: dict, ks, batches) -> dict:
         ratios["k0_over_transformers_batch1"] = speedup_over(k0[b1], tf[b1])
         ratios["k0_over_transformers_by_batch"] = {b: speedup_over(k0[b], tf[b]) for b in batches}
         ratios["transformers_output_matches_k0"] = all(tf[b]["token_ids"] == k0[b]["token_ids"] for b in batches)
+    spread = {}  # the lowest and highest ratio within a repeat behind each adaptive median
     for name in adaptive:
         # over the best fixed setting (k = 0 included) at each batch size, each ratio within a repeat
-        ratios[f"{name}_over_best_fixed"] = {b: min(speedup_over(systems[name][b], systems[f"k={k}"][b])
-                                                    for k in ks) for b in batches}
+        ratios[f"{name}_over_best_fixed"] = {}
+        for b in batches:
+            best = min(ks, key=lambda k: speedup_over(systems[name][b], systems[f"k={k}"][b]))
+            pairs = paired_ratios(systems[name][b], systems[f"k={best}"][b])
+            ratios[f"{name}_over_best_fixed"][b] = statistics.median(pairs)
+            spread.setdefault(f"{name}_over_best_fixed", {})[b] = (min(pairs), max(pairs))
         ratios[f"{name}_over_k0"] = speedup[name]
+        spread[f"{name}_over_k0"] = {b: (min(pairs), max(pairs)) for b in batches
+                                     for pairs in [paired_ratios(systems[name][b], k0[b])]}
     met = {name: ratios[name] >= minimum for name, (_, minimum) in TARGETS.items() if name in ratios}
     for name in adaptive:
         met[f"{name}_over_best_fixed"] = min(ratios[f"{name}_over_best_fixed"].values()) >= 0.97
         met[f"{name}_over_k0"] = min(ratios[f"{name}_over_k0"].values()) >= 1.0
-    return {"speedup": speedup, "efficiency": efficiency, "lossless": lossless, "ratios": ratios, "targets_met": met}
+    return {"speedup": speedup, "efficiency": efficiency, "lossless": lossless, "ratios": ratios, "targets_met": met,
+            "ratio_spread": spread}
 
 
 def profile_step(model_dir: str, prompts, max_tokens: int) -> str:
@@ -342,7 +356,10 @@ def markdown(arch: str, systems: dict, summary: dict, ks, batches) -> str:
                          f"{'yes' if summary['targets_met'][name] else 'NO'} |")
     for name, by_batch in summary["ratios"].items():
         if name.startswith("adaptive"):
-            lines.append(f"| {name} | " + ", ".join(f"b{b}: {v:.2f}" for b, v in by_batch.items()) + " | "
+            spread = summary.get("ratio_spread", {}).get(name, {})
+            lines.append(f"| {name} | " + ", ".join(
+                f"b{b}: {v:.2f}" + (f" ({spread[b][0]:.2f}-{spread[b][1]:.2f})" if b in spread else "")
+                for b, v in by_batch.items()) + " | "
                          f"{0.97 if name.endswith('best_fixed') else 1.0} | "
                          f"{'yes' if summary['targets_met'][name] else 'NO'} |")
     lines.append(f"\nlossless (greedy k>0 == k=0): {summary['lossless']}; transformers output == k=0: "

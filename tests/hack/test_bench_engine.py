@@ -48,6 +48,26 @@ def test_speedups_are_medians_of_the_ratios_within_each_repeat():
     assert bench.speedup_over({"tokens_per_s": 150.0}, base) == 1.5  # no samples: ratio of the figures
 
 
+def test_adaptive_ratios_show_the_spread_of_the_ratios_within_each_repeat():
+    bench = load_bench()
+
+    def timed(seconds):  # 100 tokens per run
+        return {**point(100.0 / seconds[0]), "seconds_samples": seconds}
+    systems = {
+        "k=0": {1: timed([1.0, 2.0, 1.0])},
+        "k=1": {1: timed([0.5, 1.0, 0.8])},  # over k=0: 2.0, 2.0, 1.25
+        "adaptive K=1": {1: timed([0.5, 1.25, 0.5])},  # over k=0: 2.0, 1.6, 2.0; over k=1: 1.0, 0.8, 1.6
+    }
+    summary = bench.summarize(systems, [0, 1], [1])
+    assert summary["ratios"]["adaptive K=1_over_k0"] == {1: 2.0}
+    assert summary["ratios"]["adaptive K=1_over_best_fixed"] == {1: 1.0}
+    assert summary["ratio_spread"]["adaptive K=1_over_best_fixed"] == {1: (0.8, 1.6)}
+    assert summary["targets_met"]["adaptive K=1_over_best_fixed"]
+    table = bench.markdown("deepseek_v3", systems, summary, [0, 1], [1])
+    assert "| adaptive K=1_over_best_fixed | b1: 1.00 (0.80-1.60) | 0.97 | yes |" in table
+    assert "| adaptive K=1_over_k0 | b1: 2.00 (1.60-2.00) | 1.0 | yes |" in table
+
+
 def test_a_system_that_fails_in_its_process_stops_the_run_naming_it(monkeypatch, tmp_path):
     import pytest
 
