@@ -6,6 +6,7 @@ pool, and a slow rank must cost at most `timeout` seconds, never a hang.
 
 from __future__ import annotations
 
+import http.client
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -28,11 +29,14 @@ def probe_health(host: str, port: int, path: str, timeout: float) -> HealthResul
         with urllib.request.urlopen(_url(host, port, path), timeout=timeout) as response:
             return HealthResult(response.status == 200, str(response.status))
     except urllib.error.HTTPError as exc:
-        body = exc.read(200).decode(errors="replace").strip()
+        try:
+            body = exc.read(200).decode(errors="replace").strip()
+        except http.client.HTTPException:  # the rank closed the connection before its body (dying)
+            body = ""
         return HealthResult(False, f"{exc.code}: {body}" if body else str(exc.code))
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
-        return HealthResult(False, str(reason))
+        return HealthResult(False, str(reason) or type(exc).__name__)
 
 
 def fetch_metrics(host: str, port: int, path: str, timeout: float) -> str:
@@ -41,5 +45,5 @@ def fetch_metrics(host: str, port: int, path: str, timeout: float) -> str:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.read().decode("utf-8", errors="replace")
-    except (urllib.error.URLError, OSError) as exc:
-        raise OSError(f"GET {url}: {getattr(exc, 'reason', exc)}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # an answer that broke off too
+        raise OSError(f"GET {url}: {getattr(exc, 'reason', exc) or type(exc).__name__}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -18,12 +19,16 @@ class HealthProbe:
 
 
 def get(url: str, timeout: float) -> tuple[int, bytes]:
-    """(status, body) for 2xx-5xx answers; raises OSError when nothing answers."""
+    """(status, body) for 2xx-5xx answers; raises OSError when nothing answers, or when the answer
+    breaks off (a rank that dies while it answers sends its headers and closes before the body)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+    except http.client.HTTPException as err:
+        raise OSError(f"GET {url}: the answer broke off ({type(err).__name__})") from err
 
 
 def probe_health(host: str, port: int, timeout: float = 2.0) -> HealthProbe:
