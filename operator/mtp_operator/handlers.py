@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 OURS = {c.LABEL_MANAGED_BY: c.MANAGED_BY_VALUE}
 RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
 RETRY_BACKOFF = 5.0  # seconds before a failed handler (e.g. an API error) runs again
+TIMER_EXIT_POLL = 1.0  # seconds between kopf's checks that a deleted object's timers have exited
 
 
 def build_registry(settings: OperatorSettings, api_client_factory: Callable[[], Any] | None = None,
@@ -67,6 +68,11 @@ def build_registry(settings: OperatorSettings, api_client_factory: Callable[[], 
         # Watch exactly the namespaces we are given and the CRD installed before us: no cluster-wide
         # namespace/CRD watching, so a namespaced Role is enough RBAC.
         settings.scanning.disabled = True
+        # A timer still running when its object is deleted (a slow probe, a reconcile waiting for
+        # the object's lock) holds the finalizer until it returns. kopf then looks again only after
+        # this many seconds, or at the object's next watch event; its default of 60 s left a
+        # deleted MtpDeployment (and its children, which wait for it) for a minute.
+        settings.background.cancellation_polling = TIMER_EXIT_POLL
         state["kube"] = KubeApi(api_client_factory())
 
     @kopf.on.login(registry=registry)

@@ -225,10 +225,11 @@ def _declare_resources(server: ApiServer) -> None:
 
 
 @pytest.fixture
-def operator_settings() -> OperatorSettings:
-    return OperatorSettings(namespace=(NS,), reconcile_interval=0.2, metrics_interval=0.3,
-                            gang_restart_budget=2, gang_restart_backoff=0.0, health_timeout=1.0,
-                            metrics_timeout=1.0)
+def operator_settings(request) -> OperatorSettings:
+    """Fast intervals; a test changes any of them with indirect parametrisation (a dict of fields)."""
+    fields = dict(namespace=(NS,), reconcile_interval=0.2, metrics_interval=0.3, gang_restart_budget=2,
+                  gang_restart_backoff=0.0, health_timeout=1.0, metrics_timeout=1.0)
+    return OperatorSettings(**{**fields, **getattr(request, "param", {})})
 
 
 class OperatorProcess:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -31,7 +32,6 @@ def condition(cr: dict, ctype: str) -> dict:
 
 
 async def wait(check, what, timeout=15.0):
-    import time
     deadline = time.monotonic() + timeout
     while True:
         result = check()
@@ -198,3 +198,24 @@ async def test_delete_releases_the_resource_and_children_are_owned(cluster, runt
             assert owner["uid"] == uid and owner["controller"] is True  # the API server's GC deletes them
     await cluster.request("DELETE", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/default/{c.PLURAL}/ds")
     await wait(lambda: not cluster.cr("ds"), "the MtpDeployment to be gone (finalizer released)")
+
+
+@pytest.mark.parametrize("operator_settings", [{"metrics_interval": 3600.0}], indirect=True)
+async def test_delete_during_a_timer_run_releases_the_resource_promptly(cluster, runtime, monkeypatch):
+    # A timer still running when the CR is deleted holds kopf's finalizer until it ends; when its run
+    # changes nothing, no watch event follows, and kopf looks again only after
+    # settings.background.cancellation_polling (60 s by default). No scrape runs here (a scrape's
+    # status patch would be such an event): the level timer's reconcile is slowed instead.
+    from mtp_operator import handlers
+    await _running_group(cluster, runtime)
+    real, in_flight = handlers.reconcile, []
+
+    def slow_reconcile(*args, **kwargs):
+        in_flight.append(1)
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(handlers, "reconcile", slow_reconcile)
+    await wait(lambda: in_flight, "a level run in flight")
+    await cluster.request("DELETE", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/default/{c.PLURAL}/ds")
+    await wait(lambda: not cluster.cr("ds"), "the MtpDeployment to be gone after the run ended", timeout=10.0)
