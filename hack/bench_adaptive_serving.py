@@ -42,7 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--requests-per-level", type=int, default=0, help="0: max(8, 4 x concurrency)")
+    p.add_argument("--requests-per-level", type=int, default=0, help="0: max(8, --requests-per-client x concurrency)")
+    p.add_argument("--requests-per-client", type=int, default=4,
+                   help="each client's requests at a level (with --requests-per-level 0)")
     p.add_argument("--rounds", type=int, default=2, help="turns of the servers within a level")
     p.add_argument("--repeats", type=int, default=3, help="sweeps over all levels")
     p.add_argument("--serve-args", default="--max_seqs_per_batch 32",
@@ -59,6 +61,8 @@ def histogram_totals(text: str, name: str) -> tuple[float, float]:
 
 def main() -> None:
     args = parse_args()
+    if args.requests_per_client < 1 or args.requests_per_level < 0:
+        raise SystemExit("--requests-per-client must be >= 1 and --requests-per-level >= 0")
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = load_tokenizer(args.model_dir)
@@ -77,6 +81,7 @@ def main() -> None:
             for c in levels:
                 plan = BenchPlan(concurrency=[c], input_len=args.input_len, output_len=args.output_len,
                                  requests_per_level=args.requests_per_level, rounds=args.rounds,
+                                 requests_per_client=args.requests_per_client,
                                  seed=repeat * 1000 + c, warmup_requests=2 if repeat == 0 and c == levels[0] else 1)
                 before = histogram_totals(httpx.get(f"{adaptive_url}/metrics").text,
                                           "mtp_spec_decode_num_speculative_tokens")

@@ -21,11 +21,15 @@ class BenchPlan:
     concurrency: list[int]
     input_len: int
     output_len: int
-    requests_per_level: int  # 0: max(8, 4 x concurrency)
+    requests_per_level: int  # 0: max(8, requests_per_client x concurrency)
     warmup_requests: int = 2
     seed: int = 0
     temperature: float = 0.0  # 0: greedy
     rounds: int = 2  # servers take turns this many times within each level
+    # Each client's requests at a level (when requests_per_level is 0). With few, a level is mostly its
+    # start (every client's first request at once) and its end (the last ones draining from a batch
+    # nothing refills); with many, the steady state a long-running server sees dominates.
+    requests_per_client: int = 4
 
     def chunks(self, prompts: list[list[int]], concurrency: int) -> list[list[list[int]]]:
         """A level's prompts in `rounds` turns, each still able to keep `concurrency` requests busy."""
@@ -34,7 +38,7 @@ class BenchPlan:
         return [prompts[i:i + size] for i in range(0, len(prompts), size)]
 
     def requests_for(self, concurrency: int) -> int:
-        return self.requests_per_level or max(8, 4 * concurrency)
+        return self.requests_per_level or max(8, self.requests_per_client * concurrency)
 
 
 async def _warm_up(base_url: str, model: str, prompt: list[int], plan: BenchPlan, api_key: str | None) -> None:

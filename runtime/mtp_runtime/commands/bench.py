@@ -53,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=_positive, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=_positive, default=128, help="generated tokens per request")
     parser.add_argument("--requests-per-level", type=int, default=0,
-                        help="requests at each level (default: max(8, 4 x concurrency))")
+                        help="requests at each level (default: max(8, --requests-per-client x concurrency))")
+    parser.add_argument("--requests-per-client", type=_positive, default=4,
+                        help="each client's requests at a level when --requests-per-level is 0; more of them "
+                             "weigh a level's steady state over its start and its end (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
     parser.add_argument("--rounds", type=_positive, default=2,
                         help="turns the servers take within each level (evens out a machine's load drift)")
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     plan = BenchPlan(concurrency=args.concurrency, input_len=args.input_len, output_len=args.output_len,
                      requests_per_level=args.requests_per_level, seed=args.seed, temperature=args.temperature,
-                     rounds=args.rounds)
+                     rounds=args.rounds, requests_per_client=args.requests_per_client)
     config = {"input_len": plan.input_len, "output_len": plan.output_len, "concurrency": plan.concurrency,
               "temperature": plan.temperature, "rounds": plan.rounds,
               "requests_per_level": [plan.requests_for(c) for c in plan.concurrency]}

@@ -55,3 +55,9 @@ def test_local_comparison_writes_table_json_and_plot(trained_tiny, tmp_path):
 def test_url_mode_needs_a_tokenizer(tmp_path):
     done = mtp("bench", "--url", "http://127.0.0.1:9", "--out", str(tmp_path))
     assert done.returncode == 2 and "--tokenizer" in done.stderr
+
+
+def test_requests_per_client_must_be_positive(tmp_path):
+    done = mtp("bench", "--url", "http://127.0.0.1:9", "--tokenizer", str(tmp_path), "--requests-per-client", "0",
+               "--out", str(tmp_path))
+    assert done.returncode == 2 and "--requests-per-client" in done.stderr

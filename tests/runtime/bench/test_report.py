@@ -32,6 +32,11 @@ def test_runs_add_up_and_levels_split_into_turns():
     plan = BenchPlan(concurrency=[4], input_len=8, output_len=8, requests_per_level=0, rounds=3)
     assert [len(c) for c in plan.chunks([[1]] * 16, 4)] == [6, 6, 4]
     assert [len(c) for c in plan.chunks([[1]] * 8, 8)] == [8]  # a turn keeps the whole concurrency busy
+    assert [plan.requests_for(c) for c in (1, 4, 32)] == [8, 16, 128]  # max(8, 4 per client)
+    longer = BenchPlan(concurrency=[32], input_len=8, output_len=8, requests_per_level=0, requests_per_client=16)
+    assert longer.requests_for(32) == 512 and longer.requests_for(1) == 16
+    assert BenchPlan(concurrency=[32], input_len=8, output_len=8, requests_per_level=5,
+                     requests_per_client=16).requests_for(32) == 5  # a level's count wins
 
 
 def test_comparison_outputs(tmp_path):
