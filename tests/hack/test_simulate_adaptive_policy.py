@@ -64,3 +64,17 @@ def test_the_cli_prints_a_table_and_writes_json(sim, tmp_path, monkeypatch, caps
     printed = capsys.readouterr().out
     assert "| 8 |" in printed and "adaptive margin 0.1 / best fixed" in printed
     assert set(__import__("json").loads(out.read_text())["table"]) == {"1", "8"}
+
+
+def test_short_serving_levels_drain_like_closed_batches(sim):
+    """mtp bench's open system: with every request the same length, k = 0's clients stay in lockstep
+    and finish together, while speculation's finish apart and each turn ends on a ragged tail. The
+    more requests per client, the less that tail weighs, so speculation's gain over k = 0 grows."""
+    def gain(per_client):
+        k0 = [sim.serve(32, s, fixed=0, requests_per_client=per_client)[0] for s in range(3)]
+        k1 = [sim.serve(32, s, fixed=1, requests_per_client=per_client)[0] for s in range(3)]
+        return sum(k1) / sum(k0)
+    assert gain(8) > gain(2) + 0.02
+    assert sim.serve(4, 1, fixed=2, requests_per_client=2) == sim.serve(4, 1, fixed=2, requests_per_client=2)
+    speed, mean_k = sim.serve(4, 1, policy=sim.AdaptivePolicy(3), requests_per_client=2, tokens=16)
+    assert speed > 0 and 0 <= mean_k <= 3
