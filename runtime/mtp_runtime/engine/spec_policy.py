@@ -7,7 +7,9 @@ Adaptive (`--speculative_adaptive=true`, K = `--num_speculative_tokens`): a
 step at depth k yields, per sequence, E[k] = 1 + sum_{j=1..k} p_1 p_2 ... p_j
 tokens, where p_j is the chance that draft j is accepted given drafts
 1..j-1 were. The policy estimates every p_j from decayed counts (each step
-multiplies the old counts by `decay`, so recent steps weigh more) and the
+multiplies the old counts by `decay`, so recent steps weigh more; a p_j
+with little evidence leans on p_{j-1}'s estimate, since depths past the one
+in use are only measured by probes) and the
 step's cost c(k, b) per batch-size bucket b from the measured step times
 (seeded by the engine's warm-up), and picks the k in 0..K with the most
 tokens per second, E[k] / c(k, b). A machine whose speed changes (other work
@@ -110,7 +112,7 @@ class AdaptivePolicy:
     probe_interval: int = 128
     probe_steps: int = 2
     switch_margin: float = 0.03
-    prior_acceptance: float = 0.5  # p_j before any evidence, with weight prior_weight (in verifies)
+    prior_acceptance: float = 0.5  # p_1 before any evidence (p_j's: p_{j-1}'s estimate), weight prior_weight (verifies)
     prior_weight: float = 0.1
     # a sequence's own verifies that weigh as much as the policy's estimate in its acceptance (closed batches)
     sequence_prior_weight: float = 4.0
@@ -206,8 +208,20 @@ class AdaptivePolicy:
         return self._rates(self._long_hits, self._long_tries)
 
     def _rates(self, hits: list[float], tries: list[float]) -> list[float]:
-        w, p0 = self.prior_weight, self.prior_acceptance
-        return [(h + w * p0) / (t + w) for h, t in zip(hits, tries)]
+        """Decayed counts -> rates, each shrunk by prior_weight verifies towards a prior: for draft 1
+        prior_acceptance, for draft j > 1 the estimate of draft j - 1. A depth the policy is not using
+        gets no evidence between probes, and its counts decay to nothing within a few dozen steps; with
+        a fixed prior its rate would then fall to prior_acceptance, making the depths past the current
+        one look poor however well the draft does (a draft that agrees 90% of the time at position 2
+        was valued at 50% at position 3, and the policy stayed below the best depth for hundreds of
+        steps). Without evidence of its own, a deeper draft is expected to do as well as the one
+        before it, the first as well as the prior says."""
+        w, prior = self.prior_weight, self.prior_acceptance
+        rates = []
+        for h, t in zip(hits, tries):
+            prior = (h + w * prior) / (t + w)
+            rates.append(prior)
+        return rates
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one sequence gains from a step at depth k (the verified token plus accepted drafts)."""

@@ -31,6 +31,36 @@ def test_acceptance_is_conditional_on_the_earlier_drafts_and_ignores_filler():
     assert policy.expected_tokens(3) == pytest.approx(1 + 1 + 0.5 + 0.5)
 
 
+def test_a_depth_without_evidence_is_expected_to_do_as_well_as_the_one_before():
+    # A policy at k = 1 measures draft 1 every step and drafts 2 and 3 only in probes: their counts
+    # decay to nothing between probes. They lean on draft 1's estimate, not on the fixed prior.
+    def cost(k, b):  # k = 3 pays when the deeper drafts agree as often as the first (E 3.44 over 1.3)
+        return 1.0 + 0.1 * k
+
+    policy = _seeded(AdaptivePolicy(3, probe_interval=10**6), cost)
+    for _ in range(4):
+        policy.record_verify(3, 3)  # a probe's verifies: every draft accepted
+    verifies = 0
+    for _ in range(200):  # then many steps at k = 1, draft 1 accepted 9 times in 10
+        for _i in range(4):
+            verifies += 1
+            policy.record_verify(1, int(verifies % 10 != 0))
+        policy.end_step()
+    p = policy.acceptance()
+    assert p[0] == pytest.approx(0.9, abs=0.05)
+    assert p[1] == pytest.approx(p[0], abs=0.01) and p[2] == pytest.approx(p[0], abs=0.01)
+    assert policy.prior_acceptance == 0.5  # what drafts 2 and 3 fell to before
+    policy._current = 1
+    assert policy.choose(4) == 3
+    # a draft that fails at position 1 makes the unmeasured deeper ones look as poor
+    for _ in range(50):
+        for _i in range(4):
+            policy.record_verify(1, 0)
+        policy.end_step()
+    assert max(policy.acceptance()) < 0.1
+    assert policy.choose(4) == 0
+
+
 def test_recent_steps_weigh_more():
     policy = AdaptivePolicy(1, decay=0.5, prior_weight=1e-9)
     for _ in range(10):
