@@ -42,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    # Eager: the swap replaces runner.draft, and graph mode's compiled decode steps keep the draft module
+    # they were built with, so under graph mode the "bad" phase would still draft with the good one.
+    p.add_argument("--graph", action="store_true", help="graph mode (its compiled steps ignore the swap)")
     return p.parse_args()
 
 
@@ -49,8 +52,12 @@ def run_system(args, k: int, adaptive: bool, prompts: list[list[int]]) -> list[t
     """(seconds since start, the step's k, tokens it produced) for every step of the three phases."""
     engine = LLMEngine(EngineConfig(model=args.model_dir, num_speculative_tokens=k, speculative_adaptive=adaptive,
                                     max_model_len=args.input_len + args.output_len + 16,
-                                    max_seqs_per_batch=args.batch, enable_prefix_cache=False))
+                                    max_seqs_per_batch=args.batch, enable_prefix_cache=False,
+                                    enable_graph=args.graph))
     runner = engine.runner
+    if args.graph and k:
+        print("warning: --graph: the compiled decode steps keep the good draft; the swap reaches only the "
+              "steps outside them", flush=True)
     drafts = [runner.draft, None, runner.draft]
     if k:
         drafts[1] = load_draft(args.bad_draft_dir, main=runner.main, dtype=runner.dtype, device=str(runner.device))
