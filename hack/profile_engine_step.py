@@ -1,6 +1,7 @@
 """Where a graph-mode engine step's time goes, part by part: the compiled call against the host's work.
 
     python hack/profile_engine_step.py --model DIR [--ks 0,3] [--batch 1] [--threads 1] [--rounds 5]
+                                       [--aot-step auto|true|false]
 
 For each k an `LLM` in graph mode (one process, the engines take turns within each round, so a change
 in the machine's load hits every k alike) generates greedily for `--batch` prompts of `--prompt-len`
@@ -12,7 +13,8 @@ tokens, `--max-tokens` each. Two passes a round, each over the same prompts:
   calls of torch's AOTI bindings that inductor's C++ wrapper makes just before and just after its
   C++ entry (`unsafe_alloc_void_ptrs_from_tensors`, `alloc_tensors_by_stealing_from_void_ptrs`):
   the time between them is the compiled graph's own, apart from the Python of dynamo, AOT
-  autograd and inductor's wrapper around it.
+  autograd and inductor's wrapper around it. With the step compiled ahead of time (the default,
+  engine/aot_step.py) the kernel part is the package's one C++ call instead.
 
 Printed: median microseconds per step of each part (medians over rounds), and the shares. The
 parts that are differences: "graph call overhead" = one-call step - kernel (guards, stance, the
@@ -42,6 +44,7 @@ import torch
 
 from mtp_runtime import LLM, SamplingParams
 from mtp_runtime.engine import llm_engine
+from mtp_runtime.engine.aot_step import AotDecodeStep
 from mtp_runtime.engine.graph_step import GreedyDecodeStep
 
 
@@ -97,12 +100,36 @@ def instrument(timer: PartTimer) -> None:
     scheduler_cls.update = timer.wrap("update", scheduler_cls.update)
     llm_engine.ModelRunner.execute = timer.wrap("execute", llm_engine.ModelRunner.execute)
     GreedyDecodeStep.__call__ = timer.wrap("one-call step", GreedyDecodeStep.__call__)
+    AotDecodeStep.__call__ = timer.wrap("one-call step", AotDecodeStep.__call__)
     llm_engine.RequestOutput.__init__ = timer.wrap("RequestOutput", llm_engine.RequestOutput.__init__)
     # inductor's generated wrapper looks these up on every call (torch._C._aoti.<name>)
     aoti = torch._C._aoti
     aoti.unsafe_alloc_void_ptrs_from_tensors = timer.kernel_entered(aoti.unsafe_alloc_void_ptrs_from_tensors)
     aoti.alloc_tensors_by_stealing_from_void_ptrs = timer.kernel_returned(
         aoti.alloc_tensors_by_stealing_from_void_ptrs)
+
+
+class TimedPackage:
+    """An ahead-of-time step's package (AotDecodeStep._runners): its one C++ call is the kernel part."""
+
+    def __init__(self, timer: PartTimer, runner):
+        self.timer, self.runner = timer, runner
+
+    def run(self, inputs):
+        timer = self.timer
+        if not timer.active:
+            return self.runner.run(inputs)
+        start = timer.clock()
+        try:
+            return self.runner.run(inputs)
+        finally:
+            timer.seconds["kernel"] += timer.clock() - start
+
+
+def instrument_packages(timer: PartTimer, llm) -> None:
+    for step in llm.engine.runner.decode_steps.values():
+        if isinstance(step, AotDecodeStep):
+            step._runners = {threads: TimedPackage(timer, r) for threads, r in step._runners.items()}
 
 
 def breakdown(parts: dict[str, float], total: float, steps: int) -> dict[str, float]:
@@ -132,6 +159,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--aot-step", choices=("auto", "true", "false"), default="auto",
+                   help="the one-call step compiled ahead of time (the default) or by torch.compile (false)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="cpu: this thread's CPU time (module docstring); wall: perf_counter")
     args = p.parse_args()
@@ -142,13 +171,17 @@ def main() -> None:
     for k in ks:
         start = time.perf_counter()
         llms[k] = LLM(args.model, num_speculative_tokens=k, max_model_len=args.prompt_len + args.max_tokens + 8,
-                      max_seqs_per_batch=args.batch, enable_prefix_cache=False, enable_graph=True)
-        print(f"k={k}: start-up {time.perf_counter() - start:.1f}s", flush=True)
+                      max_seqs_per_batch=args.batch, enable_prefix_cache=False, enable_graph=True,
+                      aot_step={"auto": None, "true": True, "false": False}[args.aot_step])
+        print(f"k={k}: start-up {time.perf_counter() - start:.1f}s; one-call step "
+              f"{llms[k].engine.runner.aot_reason}", flush=True)
     vocab = llms[ks[0]].engine.runner.vocab_size
     prompts = [[(7 + 31 * (i + 1) * j) % (vocab - 3) + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     timer = PartTimer(clock)
     instrument(timer)
+    for llm in llms.values():
+        instrument_packages(timer, llm)
     for llm in llms.values():
         llm.generate(prompts, params)  # warm-up
 

@@ -23,11 +23,13 @@ from mtp_operator.spec import MtpDeploymentSpec
 
 ANNOTATION_EXPORT_FINGERPRINT = f"{c.GROUP}/export-fingerprint"
 SHM_VOLUME = "dshm"
-# The runtime's compiled graphs (graph mode, the default of the builtin engine): an emptyDir, so a
-# restarted container loads them instead of compiling again. Under /opt/mtp, where no spec may mount.
+# The runtime's compiled graphs (graph mode, the default of the builtin engine) and its ahead-of-time
+# compiled decode steps: an emptyDir, so a restarted container loads them instead of compiling again.
+# Under /opt/mtp, where no spec may mount.
 COMPILE_CACHE_VOLUME = "compile-cache"
 COMPILE_CACHE_PATH = "/opt/mtp/compile-cache"
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+AOT_CACHE_ENV = "MTP_AOT_CACHE_DIR"
 
 
 def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
@@ -177,6 +179,8 @@ def _server_container(plan: DeploymentPlan, spec: MtpDeploymentSpec) -> dict[str
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     if _compile_cache(plan):
         env.append({"name": COMPILE_CACHE_ENV, "value": f"{COMPILE_CACHE_PATH}/inductor"})
+        if AOT_CACHE_ENV not in plan.pod_env and AOT_CACHE_ENV not in plan.pod_ref_env:
+            env.append({"name": AOT_CACHE_ENV, "value": f"{COMPILE_CACHE_PATH}/aot"})
         mounts.append({"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_PATH})
     container: dict[str, Any] = {
         "name": c.CONTAINER_SERVER, "image": plan.image, "command": plan.pod_argv[:1], "args": plan.pod_argv[1:],

@@ -86,6 +86,23 @@ def test_statefulset_shape(make_cr):
     assert set(sts["spec"]["selector"]["matchLabels"].items()) <= set(pod["metadata"]["labels"].items())
 
 
+def test_compiled_code_is_cached_in_a_volume_the_container_keeps_across_restarts(make_cr):
+    """The runtime's inductor cache and its ahead-of-time decode steps live in the pod's compile-cache
+    emptyDir (a restarted container loads them); a spec that names its own directory keeps it."""
+    from mtp_operator.manifests import AOT_CACHE_ENV, COMPILE_CACHE_ENV, COMPILE_CACHE_PATH, COMPILE_CACHE_VOLUME
+
+    _, objects = _all(make_cr, VARIANTS["builtin-cpu"])
+    pod = objects["statefulset"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[COMPILE_CACHE_ENV] == f"{COMPILE_CACHE_PATH}/inductor" and env[AOT_CACHE_ENV] == f"{COMPILE_CACHE_PATH}/aot"
+    assert {"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_PATH} in container["volumeMounts"]
+    assert {"name": COMPILE_CACHE_VOLUME, "emptyDir": {}} in pod["volumes"]
+    _, objects = _all(make_cr, {"env": [{"name": AOT_CACHE_ENV, "value": "/models/aot"}]})
+    env = [(e["name"], e.get("value")) for e in objects["statefulset"]["spec"]["template"]["spec"]["containers"][0]["env"]]
+    assert (AOT_CACHE_ENV, "/models/aot") in env and (AOT_CACHE_ENV, f"{COMPILE_CACHE_PATH}/aot") not in env
+
+
 def test_vllm_workers_get_no_http_readiness_probe(make_cr):
     _, objects = _all(make_cr, VARIANTS["vllm-gpu"])
     container = objects["statefulset"]["spec"]["template"]["spec"]["containers"][0]

@@ -27,6 +27,11 @@ class EngineConfig:
     # Decode/verify/draft forwards compiled (torch.compile; start-up compiles them, or loads them from the
     # disk cache). None: graph mode wherever it can run (models/graph.py, resolve_graph); False: eager.
     enable_graph: bool | None = None
+    # Graph mode's one-call decode step compiled ahead of time (AOTInductor, engine/aot_step.py: no
+    # dynamo on the call path; packages cached on disk). None: wherever it can (DeepSeek-V3 on CPU),
+    # else the dynamo-compiled step after a warning; True: required (an error where it cannot);
+    # False: the dynamo-compiled step.
+    aot_step: bool | None = None
     # Adaptive depth: num_speculative_tokens is the largest k; every step picks k in 0..K (engine/spec_policy.py)
     speculative_adaptive: bool = False
     # A step of fewer tokens than this (a decode step: batch size x (k + 1)) runs on one thread, larger
@@ -64,6 +69,8 @@ class EngineConfig:
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         _check(self.enable_graph is None or isinstance(self.enable_graph, bool), "enable_graph", self.enable_graph,
                "true, false or unset (None: graph mode where it can run)")
+        _check(self.aot_step is None or isinstance(self.aot_step, bool), "aot_step", self.aot_step,
+               "true, false or unset (None: ahead of time where the step can be)")
         if self.speculative_adaptive and not self.num_speculative_tokens:
             raise ValueError("EngineConfig.speculative_adaptive=True needs num_speculative_tokens >= 1: it is the "
                              "largest k adaptive depth may choose")

@@ -41,7 +41,7 @@ import torch
 
 from mtp_runtime.engine.sampler import greedy_verify
 from mtp_runtime.layers.attention import DecodeBatch, RowSelection
-from mtp_runtime.models.graph import compile_failure, compile_method
+from mtp_runtime.models.graph import compile_failure, compile_method, contiguous_copy
 
 # Architectures whose decode steps take the one-call graph. GLM's (GQA) one-call graph measured slower
 # than its per-forward graphs at batch 4 and above (hack/bench_engine.py --enable-graph: 301 vs 387-443
@@ -106,9 +106,11 @@ class GreedyDecodeStep:
         return [cached, *tokens, *table, *[0] * (width - len(table))]
 
     def _split(self, plan: torch.Tensor):
-        """plan rows -> cached lengths [B], the k+1 tokens [B, k+1], block tables [B, M] (views)."""
+        """plan rows -> cached lengths [B], the k+1 tokens [B, k+1], block tables [B, M]. The tokens and
+        tables are contiguous copies: flattening a strided slice of the plan is a view only when B or
+        M is 1, a case the exported graph (engine/aot_step.py) must not depend on."""
         n = self.k + 1
-        return plan[:, 0], plan[:, 1:1 + n], plan[:, 1 + n:]
+        return plan[:, 0], contiguous_copy(plan[:, 1:1 + n]), contiguous_copy(plan[:, 1 + n:])
 
     def _verify(self, plan: torch.Tensor, main_caches: list):
         """Step 1 (module docstring): the main forward over every sequence's k+1 positions, argmax tokens."""

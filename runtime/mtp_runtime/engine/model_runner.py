@@ -19,12 +19,13 @@ import psutil
 import torch
 
 from mtp_runtime.engine.config import EngineConfig
+from mtp_runtime.engine.aot_step import AotDecodeStep, AotUnavailable, aot_cache_dir, resolve_aot
 from mtp_runtime.engine.graph_step import ONE_CALL_ARCHS, GreedyDecodeStep, warm_up_batch_sizes
 from mtp_runtime.engine.sampler import RowParams, probabilities, sample_from, speculative_verify, uniform_rows
 from mtp_runtime.engine.scheduler import ScheduledBatch
 from mtp_runtime.engine.sequence import Sequence
 from mtp_runtime.layers.attention import AttentionMetadata, RowSelection
-from mtp_runtime.models.graph import CompileCounts, announce, compile_cache_dir, resolve_graph, warm_up
+from mtp_runtime.models.graph import CompileCounts, GraphError, announce, compile_cache_dir, resolve_graph, warm_up
 from mtp_runtime.models.loader import load_draft, load_model
 
 log = logging.getLogger("mtp_runtime.engine")
@@ -96,15 +97,39 @@ class ModelRunner:
         # Graph mode: all-greedy decode steps run verify, acceptance and drafting as one compiled call,
         # one graph for each k a step may have (0..K with adaptive depth; its k = 0 step also writes
         # the draft cache's keys, ModelRunner._propose).
+        # Each is compiled ahead of time (AotDecodeStep) where it can be, else by torch.compile.
         self.decode_steps: dict[int, GreedyDecodeStep] = {}
+        self.aot_requested = resolve_aot(config.aot_step)  # True, False or None (auto)
+        self.aot_reason = "off (graph mode is off)"  # what the one-call steps run on, in words (/health)
         if self.graph_enabled and self.model_config.arch in ONE_CALL_ARCHS:
+            aot = self._aot_possible()
             for k in self.step_depths():
-                self.decode_steps[k] = GreedyDecodeStep(self.main, self.draft, k, self.block_size,
-                                                        draft_keys=self.adaptive and not k)
+                self.decode_steps[k] = (AotDecodeStep if aot else GreedyDecodeStep)(
+                    self.main, self.draft, k, self.block_size, draft_keys=self.adaptive and not k)
+        else:
+            if self.graph_enabled:
+                self.aot_reason = f"off ({self.model_config.arch} has no one-call decode step)"
+            if config.aot_step:
+                raise GraphError("aot_step: the one-call decode step runs only in graph mode on "
+                                 f"{'/'.join(ONE_CALL_ARCHS)} models; this engine runs {self.graph.reason} with "
+                                 f"a {self.model_config.arch} model; leave aot_step unset or false")
         self.decode_step = self.decode_steps.get(self.k)
         self.graph_warm_up_by_k: dict[int, float] = {}  # seconds compiling each k's one-call step
         self.on_step = None  # called with each step's k before its model calls (multi-node: into the plans)
         self.graph_warm_up_s = self._warm_up_graphs() if self.graph_enabled else 0.0
+
+    def _aot_possible(self) -> bool:
+        """Whether the one-call steps are built ahead of time: on CPU, unless aot_step is false."""
+        if self.aot_requested is False:
+            self.aot_reason = "off (aot_step=false): torch.compile"
+            return False
+        if self.device.type != "cpu":
+            if self.aot_requested:
+                raise GraphError(f"aot_step: supported on CPU only in this build, not {self.device}; leave it "
+                                 f"unset or false (--aot_step=false)")
+            self.aot_reason = f"off ({self.device.type} devices use torch.compile in this build)"
+            return False
+        return True
 
     def threads_for(self, tokens: int) -> int:
         """Threads for a step of `tokens` tokens (EngineConfig.single_thread_tokens)."""
@@ -144,17 +169,40 @@ class ModelRunner:
             seconds = warm_up(self.main, run_main, self.k)
             if self.draft is not None:
                 seconds += warm_up(self.draft, run_draft, self.k)
-            for k, step in self.decode_steps.items():
-                self.graph_warm_up_by_k[k] = step.warm_up(warm_up_batch_sizes(self.config.max_seqs_per_batch),
-                                                          self.num_blocks, self.main_caches, self.draft_caches,
-                                                          self.device, self.threads_for)
+            for k in list(self.decode_steps):
+                self.graph_warm_up_by_k[k] = self._warm_up_decode_step(k)
                 seconds += self.graph_warm_up_by_k[k]
+        self.decode_step = self.decode_steps.get(self.k)
         self.graph_compile_counts = counts = CompileCounts.now().since(before)
         steps = ", ".join(f"{s:.1f}s" for s in self.graph_warm_up_by_k.values())
+        aot = [step for step in self.decode_steps.values() if isinstance(step, AotDecodeStep)]
+        if aot:
+            built, loaded = sum(s.built for s in aot), sum(s.loaded for s in aot)
+            self.aot_reason = f"ahead of time ({built} package(s) compiled, {loaded} loaded from {aot_cache_dir()})"
         announce(f"graph mode: start-up took {seconds:.1f}s to ready the decode graphs: {counts.compiled} compiled, "
                  f"{counts.cached} from the disk cache in {self.graph_cache_dir}"
-                 + (f" (one-call steps for k = {list(self.decode_steps)}: {steps})" if steps else ""))
+                 + (f" (one-call steps for k = {list(self.decode_steps)}: {steps}; {self.aot_reason})" if steps else ""))
         return seconds
+
+    def _warm_up_decode_step(self, k: int) -> float:
+        """Ready k's one-call step; an ahead-of-time step that cannot be built gives way to the
+        torch.compile one (with a warning), unless aot_step asked for it."""
+        args = (warm_up_batch_sizes(self.config.max_seqs_per_batch), self.num_blocks, self.main_caches,
+                self.draft_caches, self.device, self.threads_for)
+        step = self.decode_steps[k]
+        try:
+            return step.warm_up(*args)
+        except AotUnavailable as exc:
+            if self.aot_requested:
+                raise GraphError(f"aot_step: the decode step (k={k}) cannot be compiled ahead of time here ({exc}); "
+                                 f"run with aot_step unset or false (--aot_step=false) for the torch.compile "
+                                 f"step") from exc
+            log.warning("aot step: the decode step (k=%d) cannot be compiled ahead of time here (%s); it runs "
+                        "the torch.compile step instead", k, exc)
+            self.aot_reason = f"off (ahead-of-time compile failed: {exc}): torch.compile"
+        step = self.decode_steps[k] = GreedyDecodeStep(self.main, self.draft, k, self.block_size,
+                                                       draft_keys=step.draft_keys)
+        return step.warm_up(*args)
 
     # slots, tensors, generators ---------------------------------------------------
 

@@ -41,7 +41,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; logits are gathered from all ranks, in float32."""
 
-    weight_packed: torch.Tensor | None = None
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState | None = None):
+        super().__init__(vocab_size, hidden_size, parallel)
+        self.weight_packed: torch.Tensor | None = None  # set by pack_weights() (kernels/cpu_gemm.py)
 
     def pack_weights(self) -> None:
         self.weight_packed = cpu_gemm.pack(self.weight)

@@ -33,6 +33,11 @@ DENSE_MAX_EXPERTS = 16  # ... and only with this few local experts (a 256-expert
 PACKED_MAX_TOKENS = 512
 
 
+def in_graph() -> bool:
+    """Traced into a graph: by torch.compile, or by torch.export (the ahead-of-time decode step)."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
 class DenseMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelState | None = None):
         super().__init__()
@@ -140,7 +145,7 @@ class RoutedExperts(nn.Module):
         """x [N, H], weights/ids [N, k] -> weighted sum of this rank's experts [N, H]."""
         if self.uses_kernel(x):
             return self.kernel(x, weights, ids)
-        if torch.compiler.is_compiling():
+        if in_graph():
             # Up to twice as many (token, expert) pairs as local experts: copy just the chosen experts'
             # weights (measured faster on CPU); more: read every local expert once (the dense path),
             # if the rank has few of them.
@@ -156,7 +161,8 @@ class RoutedExperts(nn.Module):
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """float32 on an AVX2 CPU: one kernel reads just the chosen experts' weights, in place."""
-        return self.w13_packed is not None and (x.shape[0] <= PACKED_MAX_TOKENS or torch.compiler.is_compiling())
+        # (in a graph first: the token count is a symbol there, and comparing it would add a guard)
+        return self.w13_packed is not None and (in_graph() or x.shape[0] <= PACKED_MAX_TOKENS)
 
     def kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -260,8 +266,17 @@ class MoE(nn.Module):
             if config.n_shared_experts else None
         )
         # The shared expert's (this rank's shard of) gate/up and down weights packed for the experts'
-        # kernel call, set by pack_weights() where it runs.
-        self.shared_packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # kernel call, set by pack_weights() where it runs. Two tensor attributes, not a tuple: an
+        # ahead-of-time compiled step names every tensor it reads by its module path
+        # (engine/aot_step.py), and a tensor inside a tuple has none.
+        self.shared_w13_packed: torch.Tensor | None = None
+        self.shared_w2_packed: torch.Tensor | None = None
+
+    @property
+    def shared_packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.shared_w13_packed is None or self.shared_w2_packed is None:
+            return None
+        return self.shared_w13_packed, self.shared_w2_packed
 
     def pack_weights(self) -> None:
         """Runs after the experts packed theirs (prepare_for_inference packs children first)."""
@@ -273,7 +288,7 @@ class MoE(nn.Module):
         w2 = cpu_gemm.pack_experts(shared.down_proj.weight.detach()[None])
         if w13 is None or w2 is None:
             return
-        self.shared_packed = cpu_gemm.matching(w13, w2)
+        self.shared_w13_packed, self.shared_w2_packed = cpu_gemm.matching(w13, w2)
         # The shared MLP now runs on its own only for eager chunks over PACKED_MAX_TOKENS, where its
         # packed linears would hand over to at::linear anyway: drop their copies.
         shared.gate_up_packed = None
@@ -283,10 +298,11 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
-        if self.shared_packed is not None and self.experts.uses_kernel(flat):
+        shared_packed = self.shared_packed
+        if shared_packed is not None and self.experts.uses_kernel(flat):
             # The shared expert rides in the routed experts' kernel call; its partial sum (tensor
             # parallelism: this rank's slice of its intermediate) joins theirs in one all-reduce.
-            return self.parallel.all_reduce(self.experts.kernel(flat, weights, ids, self.shared_packed)).view(shape)
+            return self.parallel.all_reduce(self.experts.kernel(flat, weights, ids, shared_packed)).view(shape)
         out = self.parallel.all_reduce(self.experts(flat, weights, ids))
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

@@ -122,8 +122,12 @@ def announce(message: str) -> None:
 def compile_cache_dir() -> Path:
     """The directory of inductor's on-disk cache: $TORCHINDUCTOR_CACHE_DIR, set (to
     $MTP_CACHE_DIR/inductor, default ~/.cache/mtp-operator/inductor) where unset, so compiled
-    graphs outlive /tmp."""
-    if not os.environ.get(CACHE_ENV):
+    graphs outlive /tmp. Importing inductor sets the variable to its own default (under /tmp) when
+    unset, so that default counts as unset too."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get(CACHE_ENV)
+    if not current or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         root = Path(os.environ.get("MTP_CACHE_DIR") or Path.home() / ".cache" / "mtp-operator")
         os.environ[CACHE_ENV] = str(root / "inductor")
     return Path(os.environ[CACHE_ENV])
@@ -169,6 +173,13 @@ class GraphMode:
         if self._graph_forward is not None and meta.decode_batch() is not None:
             return self._graph_forward(*args)
         return self._forward_eager(*args)
+
+
+def contiguous_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `t` whatever its sizes. `Tensor.contiguous()` and `flatten()` of a strided
+    tensor ask whether a size is 1 (then no copy is needed), and a graph traced with dynamic sizes
+    would depend on the answer: the exported decode step (engine/aot_step.py) must not."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def compile_method(method: Callable[..., Any], dynamic: bool = False, cpp_wrapper: bool = False,

@@ -20,6 +20,7 @@ from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, atten
                                          causal_mask, gather_cache, query_rows, write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
+from mtp_runtime.models.graph import contiguous_copy
 from mtp_runtime.layers.rotary_embedding import apply_rope_halves, apply_rope_interleaved
 from mtp_runtime.models.sparse_indexer import SparseIndexer
 
@@ -132,9 +133,9 @@ class MLAttention(nn.Module):
         else:
             out = self._attend_per_sequence(q, cache, meta, index_q, index_w)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # value up-projection, [T, h, v]
-        # contiguous() then view, not flatten(): flatten is a view only when T == 1, which a compiled
+        # a copy then view, not flatten() or contiguous(): both ask whether T == 1, which a compiled
         # graph would otherwise specialise on.
-        return self.o_proj(out.contiguous().view(-1, self.num_heads * self.v_dim))
+        return self.o_proj(contiguous_copy(out).view(-1, self.num_heads * self.v_dim))
 
     def _attend_per_sequence(self, q: torch.Tensor, cache: dict[str, torch.Tensor], meta: AttentionMetadata,
                              index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:

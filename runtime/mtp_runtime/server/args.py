@@ -88,6 +88,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="run decode steps as compiled graphs (torch.compile; start-up compiles them, or loads them from "
              "the disk cache, $TORCHINDUCTOR_CACHE_DIR); auto: wherever it can run (one node, a model that "
              "supports it, a C++ compiler on CPU), else eager (default auto)")
+    add("--aot_step", type=parse_auto_bool, nargs="?", const=True, default=None, metavar="true|false|auto",
+        help="graph mode's one-call decode step compiled ahead of time (AOTInductor; no Python compiler "
+             "layer on the step's call path; cached in $MTP_AOT_CACHE_DIR, default $MTP_CACHE_DIR/aot); "
+             "auto: where it can be (DeepSeek-V3 on CPU), else the torch.compile step (default auto)")
     add("--served_model_name", default=None, help="model name in the API (default: --model's folder name)")
     add("--dtype", default="auto", choices=DTYPES, help="working dtype (auto: bfloat16 on accelerators, float32 on cpu)")
     add("--api_key", default=None, help=f"required Bearer token (or ${API_KEY_ENV})")
@@ -129,6 +133,7 @@ class ServeArgs:
     shutdown_timeout: float
     env: dict[str, str] = field(default_factory=dict, repr=False)
     enable_graph: bool | None = None  # None: auto (models/graph.py, resolve_graph)
+    aot_step: bool | None = None  # None: auto (engine/aot_step.py)
     speculative_adaptive: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     single_thread_tokens: int = 8  # EngineConfig.single_thread_tokens
@@ -293,7 +298,7 @@ def validate_serve_args(ns: argparse.Namespace, env: dict[str, str] | None = Non
         enable_prefix_cache=ns.enable_prefix_cache, enable_chunked_prefill=ns.enable_chunked_prefill,
         served_model_name=served, dtype=ns.dtype, api_key=api_key,
         max_waiting_requests=ns.max_waiting_requests, max_model_len=ns.max_model_len,
-        shutdown_timeout=ns.shutdown_timeout, env=env, enable_graph=ns.enable_graph,
+        shutdown_timeout=ns.shutdown_timeout, env=env, enable_graph=ns.enable_graph, aot_step=ns.aot_step,
         speculative_adaptive=ns.speculative_adaptive,
         max_request_bytes=ns.max_request_bytes, single_thread_tokens=ns.single_thread_tokens,
     )

@@ -90,6 +90,7 @@ class AsyncEngine:
         runner = getattr(self.engine, "runner", None)
         if runner is not None and hasattr(runner, "graph"):  # loaded: how its steps run, and why
             body["graph_mode"] = runner.graph.reason
+            body["aot_step"] = runner.aot_reason
         stats = self.last_stats
         if stats is not None:
             free = round((1.0 - stats.kv_cache_usage) * stats.num_kv_blocks)

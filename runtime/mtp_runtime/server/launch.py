@@ -80,7 +80,7 @@ def engine_factory(args: ServeArgs, max_model_len: int):
             max_tokens_per_batch=args.max_tokens_per_batch, max_seqs_per_batch=args.max_seqs_per_batch,
             block_size=args.block_size, enable_prefix_cache=args.enable_prefix_cache,
             enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_model_len,
-            enable_graph=args.enable_graph, speculative_adaptive=args.speculative_adaptive,
+            enable_graph=args.enable_graph, aot_step=args.aot_step, speculative_adaptive=args.speculative_adaptive,
             single_thread_tokens=args.single_thread_tokens,
         ))
     return build

@@ -1,6 +1,6 @@
 """Graph mode is the default: where it can run, an engine whose setting is unset compiles its decode
-steps, and a second start of the same model and settings loads them from the disk cache, compiling
-nothing. Where it cannot run (no C++ compiler, a model or device it does not support), the engine
+steps (the one-call step ahead of time), and a second start of the same model and settings loads them
+from the disk cache, compiling nothing. Where it cannot run (no C++ compiler, a model or device it does not support), the engine
 runs eager: with one warning where the user can fix it, with an error where graph mode was asked for."""
 
 import json
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch._inductor.config as inductor_config
 
-from mtp_runtime.models.graph import GRAPH_ENV, GraphError, compile_cache_dir, resolve_graph
+from mtp_runtime.models.graph import CACHE_ENV, GRAPH_ENV, GraphError, compile_cache_dir, resolve_graph
 
 
 @pytest.fixture
@@ -86,6 +86,18 @@ def test_the_environment_sets_the_default_and_an_explicit_setting_wins(monkeypat
         resolve_graph(None, "deepseek_v3", "cpu")
 
 
+def test_the_compile_cache_outlives_tmp_even_after_inductor_set_its_own_default(monkeypatch, tmp_path):
+    """Importing inductor sets $TORCHINDUCTOR_CACHE_DIR to its default under /tmp where it is unset;
+    that default counts as unset, a directory the user chose does not."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, default_cache_dir())
+    assert compile_cache_dir() == tmp_path / "inductor"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert compile_cache_dir() == tmp_path / "mine"
+
+
 # The settings of test_lossless.py's graph-mode test (k = 2, 8-token blocks, its scenario's options):
 # both compile the same graphs, so whichever runs first fills the disk cache for the other.
 START = """
@@ -96,7 +108,8 @@ llm = LLM(sys.argv[1], num_speculative_tokens=2, max_model_len=96, block_size=8,
 runner = llm.engine.runner
 out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
 print(json.dumps({"graph": runner.graph.reason, "compiled": runner.graph_compile_counts.compiled,
-                  "cached": runner.graph_compile_counts.cached, "tokens": out[0].token_ids}))
+                  "cached": runner.graph_compile_counts.cached, "tokens": out[0].token_ids,
+                  "aot": [runner.decode_step.built, runner.decode_step.loaded], "aot_reason": runner.aot_reason}))
 """
 
 
@@ -122,6 +135,9 @@ def test_a_second_start_loads_every_graph_from_the_disk_cache(tiny_models):
     graphs = first["compiled"] + first["cached"]
     assert graphs > 0
     assert second["compiled"] == 0 and second["cached"] == graphs, (first, second)
+    # the one-call decode step, compiled ahead of time: built (or loaded) once, then loaded
+    assert sum(first["aot"]) == 1 and second["aot"] == [0, 1], (first, second)
     assert first["tokens"] == second["tokens"]
     for err in (first_err, second_err):  # the start-up cost is printed, where nothing configures logging
         assert "graph mode: start-up took" in err and str(cache) in err
+    assert "0 package(s) compiled, 1 loaded from" in second_err

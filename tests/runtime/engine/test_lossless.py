@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from mtp_runtime.engine.aot_step import AotDecodeStep
 from mtp_runtime.engine.graph_step import ONE_CALL_ARCHS
 from mtp_runtime.sampling_params import SamplingParams
 
@@ -84,18 +85,23 @@ def test_greedy_output_is_identical_to_plain_decoding(kit, tiny_models, arch, k,
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
-def test_graph_mode_output_is_identical_to_plain_decoding(kit, tiny_models, arch, caplog):
-    """--enable_graph: decode, verify and draft steps run compiled; the output does not change."""
+@pytest.mark.parametrize("arch,aot_step", [("deepseek_v3", None), ("deepseek_v3", False), ("glm4_moe", None)])
+def test_graph_mode_output_is_identical_to_plain_decoding(kit, tiny_models, arch, aot_step, caplog):
+    """--enable_graph: decode, verify and draft steps run compiled; the output does not change. The
+    one-call decode step is compiled ahead of time by default (aot_step unset), by torch.compile
+    with aot_step=false."""
     spec = SCENARIOS["mixed-chunked-prefix"]
     expected = reference(kit, tiny_models, arch, "mixed-chunked-prefix")
     # 8-token blocks: the short prompts below decode their first tokens with one-block tables
-    engine = kit.make_engine(tiny_models[arch], 2, enable_graph=True, block_size=8, **spec["options"])
+    engine = kit.make_engine(tiny_models[arch], 2, enable_graph=True, block_size=8, aot_step=aot_step,
+                             **spec["options"])
     assert engine.runner.main.graph_enabled and engine.runner.draft.graph_enabled
     assert engine.runner.graph_warm_up_s > 0
     compiled_step, one_call_batches = engine.runner.decode_step, []
     one_call = arch in ONE_CALL_ARCHS
     assert (compiled_step is not None) == one_call
+    if one_call:
+        assert isinstance(compiled_step, AotDecodeStep) == (aot_step is None), engine.runner.aot_reason
 
     def counted(tokens, *args):
         one_call_batches.append(tokens.shape[0])
@@ -231,6 +237,7 @@ def test_graph_mode_with_adaptive_depth_has_a_one_call_step_for_every_k(kit, tin
                                     enable_graph=True, **settings), policy=policy)
     runner = engine.runner
     assert sorted(runner.decode_steps) == [0, 1, 2] and sorted(runner.graph_warm_up_by_k) == [0, 1, 2]
+    assert all(isinstance(step, AotDecodeStep) for step in runner.decode_steps.values()), runner.aot_reason
     assert runner.decode_steps[0].draft_keys
     ran = []
     for k, step in runner.decode_steps.items():
