@@ -141,6 +141,22 @@ def test_enable_graph_flag(model_dir):
         parse(["--model", m, "--enable_graph=maybe"])
 
 
+def test_aot_step_flag(model_dir, monkeypatch):
+    """Unset or auto: the one-call step ahead of time where it can be; the engine gets the setting."""
+    from mtp_runtime.engine import llm_engine
+    from mtp_runtime.server.launch import engine_factory
+
+    m = str(model_dir / "main")
+    assert parse(["--model", m]).aot_step is None
+    assert parse(["--model", m, "--aot_step=auto"]).aot_step is None
+    assert parse(["--model", m, "--aot-step", "false"]).aot_step is False
+    assert parse(["--model", m, "--aot_step"]).aot_step is True
+    with pytest.raises(SystemExit):
+        parse(["--model", m, "--aot_step=sometimes"])
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda config: config)
+    assert engine_factory(parse(["--model", m, "--aot_step=false"]), 64)().aot_step is False
+
+
 def test_flags_parse_and_validate_without_files_or_devices():
     """What the operator runs on a spec's flags before any pod exists: argparse
     errors raise instead of exiting, and no model directory is needed."""
