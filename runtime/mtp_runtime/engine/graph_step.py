@@ -81,7 +81,7 @@ def _metadata(tables: torch.Tensor, positions: torch.Tensor, key_pos: torch.Tens
     rows = torch.arange(positions.numel(), device=positions.device)
     blocked = (key_pos.view(1, 1, 1, -1) > positions.unsqueeze(-1).unsqueeze(-1))  # [B, n, 1, L]
     slots = _slots(tables, positions, block_size).flatten()
-    return StepMetadata(slots, DecodeBatch(rows, rows, tables.flatten(), blocked))
+    return StepMetadata(slots, DecodeBatch(rows, rows, tables.flatten(), blocked, positions))
 
 
 class GreedyDecodeStep:

@@ -1,4 +1,5 @@
-"""Packed float32 linear and MoE experts for AVX2 CPUs (cpu_gemm.cpp), built on first use, with a fallback.
+"""Packed float32 linear and MoE experts (cpu_gemm.cpp), and decode attention over a paged latent
+cache (cpu_attention.cpp), for AVX2 CPUs; built on first use, with a fallback.
 
 Panels are stored in bfloat16 when that loses nothing (every weight is a bfloat16 value, as when a
 bfloat16 checkpoint is loaded as float32): the kernel widens them exactly, so results are the same
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 PANEL = 16  # output features per packed panel (cpu_gemm.cpp kPanel)
 # Smaller weights stay on F.linear: their product costs less than calling a custom op (a few us).
 MIN_PACKED_ELEMENTS = 65536
-ENV = "MTP_CPU_GEMM"  # "0" turns the kernel off
+ENV = "MTP_CPU_GEMM"  # "0" turns the kernels off
+SOURCES = ("cpu_gemm.cpp", "cpu_attention.cpp")  # one extension
 
 _built: bool | None = None  # None: not tried yet
 
@@ -55,7 +57,7 @@ def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="mtp_runtime_cpu_gemm", sources=[str(Path(__file__).with_name("cpu_gemm.cpp"))],
+        load(name="mtp_runtime_cpu_gemm", sources=[str(Path(__file__).with_name(name)) for name in SOURCES],
              extra_cflags=["-O3", "-mavx2", "-mfma"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: run on F.linear instead
         log.warning("packed CPU linear off, its build failed (%s: %s); layers use F.linear",
@@ -73,6 +75,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("mtp_runtime::moe_experts")
     def _(x, weights, ids, w13, w2, first, shared_w13=None, shared_w2=None):
         return x.new_empty(x.shape)
+
+    @torch.library.register_fake("mtp_runtime::mla_decode_attention")
+    def _(q, cache, tables, q_pos, value_dim, scale):
+        return q.new_empty(*q.shape[:-1], value_dim)
 
 
 def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -131,3 +137,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is None or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     return torch.ops.mtp_runtime.packed_linear(x, weight, packed, bias)
+
+
+def fused_attention(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether `mla_decode_attention` serves these: float32 CPU queries and cache, kernels built."""
+    return q.dtype == torch.float32 and cache.dtype == torch.float32 and q.device.type == "cpu" \
+        and cache.device.type == "cpu" and available()
+
+
+def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, q_pos: torch.Tensor,
+                         value_dim: int, scale: float) -> torch.Tensor:
+    """q [B, n, H, D] float32, a paged cache [blocks, block_size, D] whose one key per token every head
+    shares, block tables [B, W], query positions [B, n] (query j of sequence b sees positions
+    0..q_pos[b, j]) -> [B, n, H, value_dim]: softmax(scale q . k) over those keys times their first
+    value_dim values (cpu_attention.cpp)."""
+    return torch.ops.mtp_runtime.mla_decode_attention(q, cache, tables, q_pos, value_dim, scale)

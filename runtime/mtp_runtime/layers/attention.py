@@ -19,6 +19,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from mtp_runtime.kernels import cpu_gemm
+
 
 @dataclass
 class AttentionMetadata:
@@ -149,12 +151,16 @@ class DecodeBatch:
     key_blocks: [B * W] cache blocks, each sequence's block table padded to W blocks (with any
         block: the keys past a sequence's context are masked). Keys are read a block at a time.
     blocked: [B, n, 1, L] True where a query must not see a key (padding, later positions).
+    q_pos: [B, n] position of each query (padding queries: a real one's); query j of sequence i
+        sees the keys at positions 0 .. q_pos[i, j] (what `blocked` says, for kernels that read the
+        cache in place through the block tables: kernels/cpu_attention.cpp).
     """
 
     query_rows: torch.Tensor
     out_index: torch.Tensor
     key_blocks: torch.Tensor
     blocked: torch.Tensor
+    q_pos: torch.Tensor
 
     # B, n and L are read off the mask's shape (not kept as ints) so that a compiled graph treats
     # them as dynamic sizes rather than constants to specialise on.
@@ -197,7 +203,7 @@ class DecodeBatch:
         q_pos = torch.minimum((ctx - new)[:, None] + torch.arange(n, device=device)[None, :], (ctx - 1)[:, None])
         blocked = (key_pos[None, None, :] > q_pos[:, :, None]).unsqueeze(2)  # [B, n, 1, L]
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(as_tensor(rows), as_tensor(index), as_tensor(blocks), blocked)
+        return cls(as_tensor(rows), as_tensor(index), as_tensor(blocks), blocked, q_pos)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """Flattened [T, *shape] -> padded [B, n, *shape]."""
@@ -234,6 +240,18 @@ def attend_decode_batch(batch: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v:
     vv = v.transpose(1, 2).reshape(b * kv_heads, keys, v.shape[-1])
     out = torch.bmm(probs, vv).view(b, kv_heads, n, group, v.shape[-1]).transpose(1, 2)  # [B, n, Hk, g, Dv]
     return batch.outputs(out.reshape(b, n, heads, v.shape[-1]))
+
+
+def attend_decode_batch_cached(batch: DecodeBatch, q: torch.Tensor, cache: torch.Tensor, value_dim: int,
+                               scale: float) -> torch.Tensor:
+    """attend_decode_batch_shared over a paged cache [blocks, block_size, D]: on the fused CPU kernel
+    (kernels/cpu_attention.cpp: each query reads its own keys in place, online softmax) where it runs,
+    else by gathering every sequence's context first."""
+    if cpu_gemm.fused_attention(q, cache):
+        tables = batch.key_blocks.view(batch.num_seqs, -1)
+        out = cpu_gemm.mla_decode_attention(batch.queries(q), cache, tables, batch.q_pos, value_dim, scale)
+        return batch.outputs(out)
+    return attend_decode_batch_shared(batch, q, batch.keys(cache), value_dim, scale)
 
 
 def attend_decode_batch_shared(batch: DecodeBatch, q: torch.Tensor, kv: torch.Tensor, value_dim: int,

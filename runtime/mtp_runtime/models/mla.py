@@ -16,7 +16,7 @@ from torch import nn
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
 from mtp_runtime.kernels import cpu_gemm
-from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, attend, attend_decode_batch_shared,
+from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, attend, attend_decode_batch_cached,
                                          causal_mask, gather_cache, query_rows, write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
@@ -129,7 +129,7 @@ class MLAttention(nn.Module):
         # top-k key selection) one sequence at a time.
         batch = meta.decode_batch() if self.indexer is None else None
         if batch is not None:
-            out = attend_decode_batch_shared(batch, q, batch.keys(cache["latent"]), self.kv_rank, self.scale)
+            out = attend_decode_batch_cached(batch, q, cache["latent"], self.kv_rank, self.scale)
         else:
             out = self._attend_per_sequence(q, cache, meta, index_q, index_w)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # value up-projection, [T, h, v]

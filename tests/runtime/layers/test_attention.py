@@ -5,9 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.attention import (DECODE_MAX_NEW, AttentionMetadata, RowSelection, attend,
-                                         attend_decode_batch, attend_decode_batch_shared, causal_mask, gather_cache,
-                                         write_cache)
+                                         attend_decode_batch, attend_decode_batch_cached, attend_decode_batch_shared,
+                                         causal_mask, gather_cache, write_cache)
+
+fused_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU kernels need x86-64 with AVX2 "
+                                  "and a C++ compiler")
 
 
 def test_write_then_gather_follows_block_tables():
@@ -133,3 +137,68 @@ def test_select_gives_each_row_its_own_position_and_context():
         meta.select([4])
     with pytest.raises(ValueError, match="at least one row"):
         RowSelection.of(meta, [])
+
+
+def _step(news, ctxs, block_size, blocks, seed):
+    """Metadata of one step: sequence i brings news[i] tokens and ends at ctxs[i], in scattered blocks."""
+    qsl = [0]
+    for n in news:
+        qsl.append(qsl[-1] + n)
+    tables = [[(7 * i + 3 * j + seed) % blocks for j in range(-(-c // block_size))] for i, c in enumerate(ctxs)]
+    slots = [t[p // block_size] * block_size + p % block_size for n, c, t in zip(news, ctxs, tables)
+             for p in range(c - n, c)]
+    return AttentionMetadata(qsl, ctxs, tables, torch.tensor(slots), block_size)
+
+
+@fused_kernel
+@pytest.mark.parametrize("news,ctxs", [([1], [1]), ([1], [9]), ([1, 1, 1], [3, 17, 40]), ([3, 2, 4], [10, 30, 7]),
+                                       ([16, 1], [40, 64]), ([40], [40]), ([9, 8], [12, 8])])
+def test_the_fused_kernel_matches_per_sequence_attention(news, ctxs):
+    """Decode, verify and prompt-chunk steps: each query over its own keys, read in place."""
+    meta = _step(news, ctxs, block_size=4, blocks=64, seed=len(news))
+    batch = meta.decode_batch()
+    gen = torch.Generator().manual_seed(sum(ctxs))
+    latent = torch.randn(64, 4, 20, generator=gen)
+    q = torch.randn(sum(news), 3, 20, generator=gen)
+    got = attend_decode_batch_cached(batch, q, latent, 16, 0.3)
+    expected = _per_sequence(meta, q, latent.unsqueeze(2), latent[..., :16].unsqueeze(2))
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, attend_decode_batch_shared(batch, q, batch.keys(latent), 16, 0.3),
+                               atol=2e-6, rtol=1e-5)
+
+
+@fused_kernel
+def test_a_querys_result_does_not_depend_on_the_rest_of_its_step():
+    """The same token decoded alone, beside a longer sequence, or as one of a verify step's rows: the
+    same bits (the general path's padded products may round differently with the padding)."""
+    gen = torch.Generator().manual_seed(3)
+    latent = torch.randn(32, 8, 24, generator=gen)
+    q = torch.randn(4, 2, 24, generator=gen)
+    alone = _step([1], [37], 8, 32, seed=0)
+    table = alone.block_tables[0]
+    slot = table[36 // 8] * 8 + 36 % 8
+    beside = AttentionMetadata([0, 1, 2], [37, 200 // 8 * 8], [table, list(range(25))],
+                               torch.tensor([slot, 199]), 8)
+    verify = AttentionMetadata([0, 3], [39], [table + [31]], torch.tensor([slot, 31 * 8 + 5, 31 * 8 + 6]), 8)
+    one = attend_decode_batch_cached(alone.decode_batch(), q[:1], latent, 16, 0.25)
+    two = attend_decode_batch_cached(beside.decode_batch(), q[:2], latent, 16, 0.25)
+    three = attend_decode_batch_cached(verify.decode_batch(), q[:3], latent, 16, 0.25)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[0], three[0])
+
+
+@fused_kernel
+def test_the_fused_kernel_refuses_indices_outside_its_tables_and_cache():
+    cache = torch.zeros(4, 2, 8)
+    q = torch.zeros(1, 1, 2, 8)
+    call = cpu_gemm.mla_decode_attention
+    with pytest.raises(RuntimeError, match="query 0 at position 4 lies outside its table of 2 blocks of 2"):
+        call(q, cache, torch.tensor([[0, 1]]), torch.tensor([[4]]), 8, 1.0)
+    with pytest.raises(RuntimeError, match="sequence 0 reads block 9 of 4"):
+        call(q, cache, torch.tensor([[0, 9]]), torch.tensor([[3]]), 8, 1.0)
+    with pytest.raises(RuntimeError, match="value_dim 9 must lie in 1..8"):
+        call(q, cache, torch.tensor([[0, 1]]), torch.tensor([[3]]), 9, 1.0)
+    with pytest.raises(RuntimeError, match="q must be a float32 CPU"):
+        call(q.double(), cache, torch.tensor([[0, 1]]), torch.tensor([[3]]), 8, 1.0)
+    # a block past the query's last position is never read, so it need not exist
+    out = call(q, cache, torch.tensor([[0, 99]]), torch.tensor([[1]]), 8, 1.0)
+    assert out.shape == (1, 1, 2, 8) and torch.equal(out, torch.zeros_like(out))
