@@ -5,11 +5,13 @@ seconds and speculate again once the good draft is back.
 One engine at a time, a steady load of --batch requests in flight (a finished request is replaced at
 once), for three phases of --phase-seconds each: the checkpoint's own MTP draft, then the MTP layer
 of another checkpoint (BAD_DRAFT_DIR: same sizes, another seed, so it almost never agrees), then the
-good draft again (the draft module is swapped in the runner; the draft cache keeps the keys the bad
-draft wrote, as a real swap would). Systems: k = 0, fixed k = K, adaptive with K. Per 0.5 s: output
-tokens/s and the mean k of the steps. Writes drift.json, drift.md and drift.png to OUT.
+good draft again (`ModelRunner.swap_draft`: graph mode's compiled steps follow it, an ahead-of-time
+package by being handed the new draft's tensors; the draft cache keeps the keys the bad draft wrote,
+as a real swap would). Systems: k = 0, fixed k = K, adaptive with K. Per 0.5 s: output tokens/s and
+the mean k of the steps. Writes drift.json, drift.md and drift.png to OUT.
 
     python hack/bench_adaptive_drift.py MODEL_DIR BAD_DRAFT_DIR OUT [--batch 4] [--k 3] [--phase-seconds 10]
+        [--eager]
 """
 
 from __future__ import annotations
@@ -42,9 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
-    # Eager: the swap replaces runner.draft, and graph mode's compiled decode steps keep the draft module
-    # they were built with, so under graph mode the "bad" phase would still draft with the good one.
-    p.add_argument("--graph", action="store_true", help="graph mode (its compiled steps ignore the swap)")
+    p.add_argument("--eager", action="store_true", help="eager steps (default: the engine's default, graph mode "
+                   "where it can run, its one-call step compiled ahead of time)")
     return p.parse_args()
 
 
@@ -53,11 +54,8 @@ def run_system(args, k: int, adaptive: bool, prompts: list[list[int]]) -> list[t
     engine = LLMEngine(EngineConfig(model=args.model_dir, num_speculative_tokens=k, speculative_adaptive=adaptive,
                                     max_model_len=args.input_len + args.output_len + 16,
                                     max_seqs_per_batch=args.batch, enable_prefix_cache=False,
-                                    enable_graph=args.graph))
+                                    enable_graph=False if args.eager else None))
     runner = engine.runner
-    if args.graph and k:
-        print("warning: --graph: the compiled decode steps keep the good draft; the swap reaches only the "
-              "steps outside them", flush=True)
     drafts = [runner.draft, None, runner.draft]
     if k:
         drafts[1] = load_draft(args.bad_draft_dir, main=runner.main, dtype=runner.dtype, device=str(runner.device))
@@ -72,6 +70,9 @@ def run_system(args, k: int, adaptive: bool, prompts: list[list[int]]) -> list[t
             in_flight.add(rid)
             served += 1
 
+    if k:  # each draft once before the clock starts: in graph mode, the bad draft's own graphs compile here
+        runner.swap_draft(drafts[1])
+        runner.swap_draft(drafts[0])
     top_up()
     for _ in range(20):  # warm-up steps, not recorded
         for out in engine.step():
@@ -81,7 +82,7 @@ def run_system(args, k: int, adaptive: bool, prompts: list[list[int]]) -> list[t
     start = time.perf_counter()
     for phase, draft in enumerate(drafts):
         if k:
-            runner.draft = draft
+            runner.swap_draft(draft)
         phase_end = start + (phase + 1) * args.phase_seconds
         while time.perf_counter() < phase_end:
             produced = 0

@@ -182,6 +182,7 @@ class AotDecodeStep(GreedyDecodeStep):
         self._program: _StepProgram | None = None
         self._shape: tuple[int, torch.device] | None = None  # num_blocks and device, from warm_up
         self._constants: dict[int, dict[str, torch.Tensor]] = {}  # per package: the tensors it points at
+        self._packages: dict[int, object] = {}  # thread count -> the loaded package (AOTICompiledModel)
 
     # the call ---------------------------------------------------------------------
 
@@ -303,11 +304,31 @@ class AotDecodeStep(GreedyDecodeStep):
         if sorted(names) != sorted(manifest["constants"]):
             raise AotUnavailable(f"the package reads {len(names)} tensors, its manifest lists "
                                  f"{len(manifest['constants'])}")
-        with _tensors_as_buffers(program):
-            constants = {name: _resolve(program, name) for name in names}
-        package.load_constants(constants, check_full_update=True, user_managed=True)
-        self._constants[manifest["threads"]] = constants  # the package holds their pointers: keep them alive
+        self._packages[manifest["threads"]] = package
+        self._hand_over(manifest["threads"])
         return package.loader
+
+    def _hand_over(self, threads: int) -> None:
+        """Point the package of `threads` threads at the live modules' tensors (no copy)."""
+        package = self._packages[threads]
+        with _tensors_as_buffers(self._program):
+            constants = {name: _resolve(self._program, name) for name in package.get_constant_fqns()}
+        package.load_constants(constants, check_full_update=True, user_managed=True)
+        self._constants[threads] = constants  # the package holds their pointers: keep them alive
+
+    def swap_draft(self, draft, main_caches: list, draft_caches: list) -> None:
+        """Run the step with another draft module of the same structure (names, shapes, dtypes, config):
+        its tensors are handed to the loaded packages; nothing is compiled."""
+        threads = sorted(self._runners)
+        before = [self.key(t, main_caches, draft_caches) for t in threads]
+        old_draft, old_program = self.draft, self._program
+        self.draft, self._program = draft, None
+        if [self.key(t, main_caches, draft_caches) for t in threads] != before:
+            self.draft, self._program = old_draft, old_program
+            raise ValueError("swap_draft: the new draft differs from the old one in its tensors or config; the "
+                             "compiled step does not fit it (start a new engine)")
+        for t in threads:
+            self._hand_over(t)
 
     def _build(self, entry: Path, main_caches: list, draft_caches: list, num_blocks: int,
                device: torch.device) -> None:

@@ -118,6 +118,32 @@ class ModelRunner:
         self.on_step = None  # called with each step's k before its model calls (multi-node: into the plans)
         self.graph_warm_up_s = self._warm_up_graphs() if self.graph_enabled else 0.0
 
+    def swap_draft(self, draft) -> None:
+        """Draft with another module of the same architecture and sizes from the next step on (a
+        re-exported MTP layer; a benchmark's bad draft). Its cache keeps the keys the old one wrote.
+        The compiled steps follow it: an ahead-of-time package is handed its tensors (nothing is
+        compiled), a torch.compile step is compiled again (from the disk cache where it holds it)."""
+        if self.draft is None:
+            raise ValueError("swap_draft: this engine drafts nothing (num_speculative_tokens=0)")
+        if draft is self.draft:
+            return
+        if draft.kv_cache_spec() != self.draft.kv_cache_spec() or draft.config.to_dict() != self.draft.config.to_dict():
+            raise ValueError("swap_draft: the new draft's config or cache layout differs from the old one's")
+        for k, step in list(self.decode_steps.items()):  # first, so a draft the packages refuse changes nothing
+            if isinstance(step, AotDecodeStep):
+                step.swap_draft(draft, self.main_caches, self.draft_caches)
+        self.draft = draft
+        with torch.inference_mode():
+            if self.graph_enabled:
+                draft.enable_graph()
+                warm_up(draft, self._run_draft_dummy, self.k)
+            for k, step in list(self.decode_steps.items()):
+                if not isinstance(step, AotDecodeStep):
+                    self.decode_steps[k] = GreedyDecodeStep(self.main, draft, k, self.block_size,
+                                                            draft_keys=step.draft_keys)
+                    self._warm_up_decode_step(k)
+        self.decode_step = self.decode_steps.get(self.k)
+
     def _aot_possible(self) -> bool:
         """Whether the one-call steps are built ahead of time: on CPU, unless aot_step is false."""
         if self.aot_requested is False:
@@ -139,36 +165,36 @@ class ModelRunner:
         """The k a step of this engine may have."""
         return list(range(self.k + 1)) if self.adaptive else [self.k]
 
+    def _dummy_metadata(self, news: list[int], context_lens: list[int]) -> AttentionMetadata:
+        """A warm-up step's metadata: every sequence in the first blocks (no sequence owns a block yet,
+        and a block's slots are written before they are read)."""
+        qsl = [0]
+        for n in news:
+            qsl.append(qsl[-1] + n)
+        table = [b % self.num_blocks for b in range(-(-max(context_lens) // self.block_size))]
+        slots = [slot for n, ctx in zip(news, context_lens) for slot in self._slots(table, ctx - n, ctx)]
+        return AttentionMetadata(qsl, context_lens, [table] * len(news), self._tensor(slots), self.block_size)
+
+    def _dummy_positions(self, news: list[int], context_lens: list[int]) -> torch.Tensor:
+        return self._tensor([p for n, ctx in zip(news, context_lens) for p in range(ctx - n, ctx)])
+
+    def _run_main_dummy(self, news: list[int], context_lens: list[int]) -> None:
+        self.main(self._tensor([1] * sum(news)), self._dummy_positions(news, context_lens), self.main_caches,
+                  self._dummy_metadata(news, context_lens))
+
+    def _run_draft_dummy(self, news: list[int], context_lens: list[int]) -> None:
+        hidden = torch.zeros(sum(news), self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        self.draft(self._tensor([1] * sum(news)), hidden, self._dummy_positions(news, context_lens),
+                   self.draft_caches, self._dummy_metadata(news, context_lens))
+
     def _warm_up_graphs(self) -> float:
-        """Compile the decode-step graphs now, on dummy tokens in block 0 (no sequence owns a block
-        yet, and a block's slots are written before they are read), so no request waits for them."""
-        def metadata(news: list[int], context_lens: list[int]) -> AttentionMetadata:
-            qsl = [0]
-            for n in news:
-                qsl.append(qsl[-1] + n)
-            table = [b % self.num_blocks for b in range(-(-max(context_lens) // self.block_size))]
-            slots = [slot for n, ctx in zip(news, context_lens) for slot in self._slots(table, ctx - n, ctx)]
-            return AttentionMetadata(qsl, context_lens, [table] * len(news), self._tensor(slots), self.block_size)
-
-        def positions(news, context_lens) -> torch.Tensor:
-            return self._tensor([p for n, ctx in zip(news, context_lens) for p in range(ctx - n, ctx)])
-
-        def run_main(news, context_lens):
-            total = sum(news)
-            self.main(self._tensor([1] * total), positions(news, context_lens), self.main_caches,
-                      metadata(news, context_lens))
-
-        def run_draft(news, context_lens):
-            total = sum(news)
-            hidden = torch.zeros(total, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
-            self.draft(self._tensor([1] * total), hidden, positions(news, context_lens), self.draft_caches,
-                       metadata(news, context_lens))
-
+        """Compile the decode-step graphs now, on dummy tokens in the first blocks, so no request waits
+        for them."""
         before = CompileCounts.now()
         with torch.inference_mode():
-            seconds = warm_up(self.main, run_main, self.k)
+            seconds = warm_up(self.main, self._run_main_dummy, self.k)
             if self.draft is not None:
-                seconds += warm_up(self.draft, run_draft, self.k)
+                seconds += warm_up(self.draft, self._run_draft_dummy, self.k)
             for k in list(self.decode_steps):
                 self.graph_warm_up_by_k[k] = self._warm_up_decode_step(k)
                 seconds += self.graph_warm_up_by_k[k]

@@ -158,6 +158,8 @@ class GraphMode:
     _graph_forward: Callable[..., torch.Tensor] | None = None
 
     def enable_graph(self) -> None:
+        if self._graph_forward is not None:  # already compiled (or compiling on first use)
+            return
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # One graph for every batch size, sizes of 1 included (otherwise 1 compiles a graph of its own).
         torch.fx.experimental._config.backed_size_oblivious = True

@@ -261,6 +261,49 @@ def test_where_the_step_cannot_be_built_the_engine_says_so(kit, tiny_models, mon
     assert kit.run_requests(engine, request) == kit.run_requests(plain, request)
 
 
+@pytest.fixture(scope="module")
+def other_seed(tiny_models, tmp_path_factory):
+    """A checkpoint like tiny_models' deepseek_v3 (the sizes of engine/conftest.py's), other weights."""
+    from mtp_runtime.cli import main as mtp_main
+
+    out = tmp_path_factory.mktemp("other-seed") / "deepseek_v3"
+    assert mtp_main(["make-tiny", "--arch", "deepseek_v3", "--out", str(out), "--vocab-size", "512",
+                     "--num-hidden-layers", "2", "--shards", "1", "--seed", "1"]) == 0
+    return str(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_swapped_draft_reaches_the_packages_without_a_compile(kit, tiny_models, other_seed):
+    """ModelRunner.swap_draft hands the loaded packages the new draft's tensors: the step drafts as the
+    new draft does (not as the old one), nothing is compiled, and the output stays plain decoding's."""
+    from mtp_runtime.models.loader import load_draft
+
+    engine = kit.make_engine(tiny_models["deepseek_v3"], 2, enable_graph=True, **SETTINGS)
+    runner = engine.runner
+    step, old = runner.decode_step, runner.draft
+    assert isinstance(step, AotDecodeStep)
+    compiled = step.built
+    new = load_draft(other_seed, main=runner.main, dtype=runner.dtype, device="cpu")
+    caches = random_caches(runner, seed=5)
+    with torch.inference_mode():
+        want_old = GreedyDecodeStep(runner.main, old, 2, runner.block_size, compile_graph=False)(
+            plan(2, 3, 2), *copies(caches))
+        want_new = GreedyDecodeStep(runner.main, new, 2, runner.block_size, compile_graph=False)(
+            plan(2, 3, 2), *copies(caches))
+    assert not torch.equal(want_old[2], want_new[2]), "the two drafts propose alike: no test"
+    runner.swap_draft(new)
+    assert runner.draft is new and runner.decode_step is step and step.built == compiled
+    with torch.inference_mode():
+        got = step(plan(2, 3, 2), *copies(caches))
+    assert all(torch.equal(g, w) for g, w in zip(got, want_new))
+    plain = kit.make_engine(tiny_models["deepseek_v3"], 0, enable_graph=False, enable_prefix_cache=False)
+    request = {"r0": ([5, 9, 33, 7, 12], kit.greedy(12))}
+    assert kit.run_requests(engine, request) == kit.run_requests(plain, request)
+    with pytest.raises(ValueError, match="swap_draft: this engine drafts nothing"):
+        plain.runner.swap_draft(new)
+
+
 def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv(aot_step.AOT_CACHE_ENV, raising=False)
     monkeypatch.setenv("MTP_CACHE_DIR", str(tmp_path / "root"))
