@@ -37,6 +37,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -157,6 +158,12 @@ def _resolve(root: nn.Module, path: str) -> torch.Tensor:
     if not isinstance(obj, torch.Tensor):
         raise AotUnavailable(f"the package names {path!r}, which is not a tensor of the model")
     return obj
+
+
+def _load_package(path: Path):
+    with warnings.catch_warnings():  # torch's own loader still uses a pytree class it deprecated
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return torch._inductor.aoti_load_package(str(path))
 
 
 def _names_a_tensor(root: nn.Module, path: str) -> bool:
@@ -296,7 +303,7 @@ class AotDecodeStep(GreedyDecodeStep):
 
     def _load(self, entry: Path):
         manifest = json.loads((entry / MANIFEST).read_text())
-        package = torch._inductor.aoti_load_package(str(entry / PACKAGE))
+        package = _load_package(entry / PACKAGE)
         program = self._program
         if program is None:
             raise RuntimeError("AotDecodeStep._load: no module to take the tensors from")
@@ -358,7 +365,7 @@ class AotDecodeStep(GreedyDecodeStep):
             torch._inductor.aoti_compile_and_package(
                 exported, package_path=str(staging / PACKAGE),
                 inductor_configs={"aot_inductor.package_constants_in_so": False})
-            names = torch._inductor.aoti_load_package(str(staging / PACKAGE)).get_constant_fqns()
+            names = _load_package(staging / PACKAGE).get_constant_fqns()
             (staging / MANIFEST).write_text(json.dumps({
                 "k": self.k, "threads": torch.get_num_threads(), "constants": sorted(names),
                 "export_s": round(exported_s, 2), "compile_s": round(time.perf_counter() - start - exported_s, 2),

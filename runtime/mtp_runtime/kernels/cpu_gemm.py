@@ -25,12 +25,23 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output features per packed panel (cpu_gemm.cpp kPanel)
-# Smaller weights stay on F.linear: their product costs less than calling a custom op (a few us).
+# Called from Python (eager steps), smaller weights stay on F.linear: their product costs less than
+# calling a custom op from Python (a few us).
 MIN_PACKED_ELEMENTS = 65536
+# Weights from this size are packed at load: inside a compiled graph (torch.compile, the ahead-of-time
+# decode step) every packed weight takes the kernel, where the library's GEMM copies (packs) a small
+# weight on every call of a few rows (a verify step's k + 1): 11% of a batch-1 k = 3 step of the
+# bench model went to those copies.
+MIN_PACKED_ELEMENTS_IN_GRAPH = 4096
 ENV = "MTP_CPU_GEMM"  # "0" turns the kernels off
 SOURCES = ("cpu_gemm.cpp", "cpu_attention.cpp")  # one extension
 
 _built: bool | None = None  # None: not tried yet
+
+
+def in_graph() -> bool:
+    """Traced into a graph: by torch.compile, or by torch.export (the ahead-of-time decode step)."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 def _cpu_supported() -> bool:
@@ -84,7 +95,8 @@ def _register_fake() -> None:
 def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
     """[O, I] float32 CPU weight -> [ceil(O/16), I, 16] panels (zero-padded), or None where the
     kernel does not apply (or there is no weight: an unfused layer's fused tensor)."""
-    if weight is None or weight.dim() != 2 or weight.numel() < MIN_PACKED_ELEMENTS or not _packable(weight):
+    smallest = min(MIN_PACKED_ELEMENTS, MIN_PACKED_ELEMENTS_IN_GRAPH)
+    if weight is None or weight.dim() != 2 or weight.numel() < smallest or not _packable(weight):
         return None
     return _panels(weight)
 
@@ -133,8 +145,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), on the packed kernel when `packed` is given and x is float32."""
-    if packed is None or x.dtype != torch.float32:
+    """F.linear(x, weight, bias), on the packed kernel when `packed` is given and x is float32 (called
+    eagerly, only for weights of MIN_PACKED_ELEMENTS or more)."""
+    if packed is None or x.dtype != torch.float32 or (weight.numel() < MIN_PACKED_ELEMENTS and not in_graph()):
         return F.linear(x, weight, bias)
     return torch.ops.mtp_runtime.packed_linear(x, weight, packed, bias)
 

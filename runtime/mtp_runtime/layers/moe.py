@@ -14,6 +14,7 @@ from torch import nn
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
 from mtp_runtime.kernels import cpu_gemm
+from mtp_runtime.kernels.cpu_gemm import in_graph
 from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape, fuse_linears, load_full
 
 
@@ -31,11 +32,6 @@ DENSE_MAX_EXPERTS = 16  # ... and only with this few local experts (a 256-expert
 # (cpu_gemm.moe_experts). Longer prefill chunks run the per-expert loop on the library's GEMM, as fast
 # at ~1024 tokens on the bench model (8 experts, hidden 128) and faster beyond; at 256, half the time.
 PACKED_MAX_TOKENS = 512
-
-
-def in_graph() -> bool:
-    """Traced into a graph: by torch.compile, or by torch.export (the ahead-of-time decode step)."""
-    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 class DenseMLP(nn.Module):
