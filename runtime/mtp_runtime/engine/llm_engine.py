@@ -8,6 +8,7 @@ belongs to the one thread that steps the engine.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import queue
@@ -112,6 +113,15 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+def freeze_start_up_objects() -> None:
+    """Keep what start-up left alive (the model's modules, the compiled steps, torch's and the
+    libraries' own objects: over half a million on the bench model) out of the cyclic garbage
+    collector's passes. They live as long as the process, and its full passes over them took 3-4% of
+    a batch-1 decode step's time (about 20 us every few steps)."""
+    gc.collect()
+    gc.freeze()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, policy=None):
         """policy: what picks each step's k (engine/spec_policy.py); default: from the config."""
@@ -143,6 +153,7 @@ class LLMEngine:
         # the model here.
         if not self._policy_seeded and not _in_process_group():
             self.seed_policy()
+        freeze_start_up_objects()
 
     # requests (any thread) ------------------------------------------------------
 

@@ -24,36 +24,120 @@
 namespace {
 
 constexpr int64_t kChunk = 32;  // positions whose scores are taken together before the values are added
+constexpr int kHeadGroup = 4;    // heads whose scores are taken in one pass over a key (x 2 keys: 8 chains)
 
-inline float hsum(__m256 v) {
-  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// The lanes of 8 vectors summed: out[i] = sum of a[i]'s lanes, always in the same order.
+inline __m256 sum8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0..a3 | a0..a3], [a4..a7 | ...]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  float s = hsum(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+// exp of 8 values (Cephes' single-precision polynomial, about 1 ulp; inputs below -87.3 give about 1e-38).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// y = y * keep + w * x (n values)
-inline void scale_add(float* y, float keep, float w, const float* x, int64_t n) {
-  const __m256 k = _mm256_set1_ps(keep), wv = _mm256_set1_ps(w);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_mul_ps(k, _mm256_loadu_ps(y + i))));
+// Lanes 0..n-1 of a mask (n in 0..8).
+inline __m256i lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// scores[h][c] = scale * q[h] . key[c] for the heads h0 .. h0 + 3 (those below `heads`) and the
+// chunk's n keys: two keys and four heads per pass, each dot product in one accumulator over the
+// dimensions in order (a masked load for the last dim % 8), so a score does not depend on the
+// heads or keys it was computed beside.
+void chunk_scores(const float* q, int64_t heads, int64_t dim, int64_t h0, const float* const* key, int64_t n,
+                  float scale, float* scores) {
+  const float* qh[kHeadGroup];
+  for (int i = 0; i < kHeadGroup; ++i) qh[i] = q + std::min<int64_t>(h0 + i, heads - 1) * dim;
+  const int64_t full = dim / 8 * 8;
+  const __m256i tail = lanes(dim - full);
+  alignas(32) float out[8];
+  for (int64_t c = 0; c < n; c += 2) {
+    const float* k0 = key[c];
+    const float* k1 = key[std::min(c + 1, n - 1)];
+    __m256 acc[8];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < full; d += 8) {
+      const __m256 v0 = _mm256_loadu_ps(k0 + d), v1 = _mm256_loadu_ps(k1 + d);
+#pragma GCC unroll 4
+      for (int i = 0; i < kHeadGroup; ++i) {
+        const __m256 qv = _mm256_loadu_ps(qh[i] + d);
+        acc[i] = _mm256_fmadd_ps(qv, v0, acc[i]);
+        acc[kHeadGroup + i] = _mm256_fmadd_ps(qv, v1, acc[kHeadGroup + i]);
+      }
+    }
+    if (full < dim) {
+      const __m256 v0 = _mm256_maskload_ps(k0 + full, tail), v1 = _mm256_maskload_ps(k1 + full, tail);
+      for (int i = 0; i < kHeadGroup; ++i) {
+        const __m256 qv = _mm256_maskload_ps(qh[i] + full, tail);
+        acc[i] = _mm256_fmadd_ps(qv, v0, acc[i]);
+        acc[kHeadGroup + i] = _mm256_fmadd_ps(qv, v1, acc[kHeadGroup + i]);
+      }
+    }
+    _mm256_store_ps(out, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+    for (int i = 0; i < kHeadGroup && h0 + i < heads; ++i) {
+      scores[(h0 + i) * kChunk + c] = out[i];
+      if (c + 1 < n) scores[(h0 + i) * kChunk + c + 1] = out[kHeadGroup + i];
+    }
   }
-  for (; i < n; ++i) y[i] = y[i] * keep + w * x[i];
+}
+
+// acc[0 .. 8V) = acc * keep + sum over c of p[c] * key[c][offset ..], in order of c, in registers.
+template <int V>
+void add_values(float* acc, float keep, const float* p, const float* const* key, int64_t n, int64_t offset) {
+  __m256 a[V];
+  const __m256 k = _mm256_set1_ps(keep);
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * v), k);
+  for (int64_t c = 0; c < n; ++c) {
+    const __m256 w = _mm256_set1_ps(p[c]);
+    const float* x = key[c] + offset;
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * v), a[v]);
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + 8 * v, a[v]);
+}
+
+// One head's values for a chunk: the accumulator in tiles of up to 64, then any last value_dim % 8.
+void chunk_values(float* acc, int64_t value_dim, float keep, const float* p, const float* const* key, int64_t n) {
+  int64_t d = 0;
+  for (; d + 64 <= value_dim; d += 64) add_values<8>(acc + d, keep, p, key, n, d);
+  for (; d + 32 <= value_dim; d += 32) add_values<4>(acc + d, keep, p, key, n, d);
+  for (; d + 8 <= value_dim; d += 8) add_values<1>(acc + d, keep, p, key, n, d);
+  for (; d < value_dim; ++d) {
+    float a = acc[d] * keep;
+    for (int64_t c = 0; c < n; ++c) a = std::fma(p[c], key[c][d], a);
+    acc[d] = a;
+  }
+}
+
+// p[c] = exp(p[c] - top) for c < n; returns their sum (added in order of c).
+float exp_chunk(float* p, int64_t n, float top) {
+  const __m256 t = _mm256_set1_ps(top);
+  for (int64_t c = 0; c < n; c += 8) {
+    const __m256i m = lanes(std::min<int64_t>(8, n - c));
+    _mm256_maskstore_ps(p + c, m, exp8(_mm256_sub_ps(_mm256_maskload_ps(p + c, m), t)));
+  }
+  float total = 0.0f;
+  for (int64_t c = 0; c < n; ++c) total += p[c];
+  return total;
 }
 
 at::Tensor mla_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
@@ -114,23 +198,16 @@ at::Tensor mla_decode_attention(const at::Tensor& q, const at::Tensor& cache, co
         for (int64_t c = 0; c < n; ++c) {
           const int64_t p = p0 + c;
           key[c] = kv + (table[b * width + p / block_size] * block_size + p % block_size) * dim;
-          for (int64_t h = 0; h < heads; ++h) score[h * kChunk + c] = s * dot(qr + h * dim, key[c], dim);
         }
+        for (int64_t h0 = 0; h0 < heads; h0 += kHeadGroup) chunk_scores(qr, heads, dim, h0, key, n, s, score.data());
         for (int64_t h = 0; h < heads; ++h) {
           float* sc = score.data() + h * kChunk;
           float top = max[h];
           for (int64_t c = 0; c < n; ++c) top = std::max(top, sc[c]);
           const float keep = std::exp(max[h] - top);  // 0 on the first chunk (max was -inf)
-          float total = sum[h] * keep;
-          for (int64_t c = 0; c < n; ++c) {
-            sc[c] = std::exp(sc[c] - top);
-            total += sc[c];
-          }
-          float* a = acc.data() + h * value_dim;
-          scale_add(a, keep, sc[0], key[0], value_dim);
-          for (int64_t c = 1; c < n; ++c) scale_add(a, 1.0f, sc[c], key[c], value_dim);
+          sum[h] = sum[h] * keep + exp_chunk(sc, n, top);
+          chunk_values(acc.data() + h * value_dim, value_dim, keep, sc, key, n);
           max[h] = top;
-          sum[h] = total;
         }
       }
       float* o = op + row * heads * value_dim;

@@ -28,7 +28,7 @@
 namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel: two AVX2 registers
-constexpr int64_t kRows = 4;    // rows per pass over a panel: 8 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kRows = 4;    // rows per pass over a panel: 8 accumulators + 2 weights + 4 broadcasts
 // Up to this many rows the packed kernel ran faster than the BLAS library's GEMM on the bench model's
 // weights (hack/bench_cpu_gemm.py); above it, at::linear.
 constexpr int64_t kMaxRows = 256;
@@ -37,68 +37,122 @@ constexpr int64_t kMaxRows = 256;
 // as fast or faster (hack/bench_cpu_gemm.py): at::linear.
 constexpr int64_t kGemvElements = int64_t{8} << 20;
 
-// Eight weights of a panel row as float32: read as they are, or widened from bfloat16 (exact).
-inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 load8(const uint16_t* w) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+// A panel row's 16 weights as float32 (features 0-7, 8-15): read as they are, or widened from
+// bfloat16 (exact). bfloat16 rows are stored interleaved (cpu_gemm.py BF16_ORDER): 32-bit word j holds
+// feature j in its low half and feature j + 8 in its high half, so one load, a shift and a mask widen
+// all 16 (converting each half apart took two loads and four shuffles per row, and at one row per
+// pass the shuffles, not the multiply-adds, set the pace).
+inline void load16(const float* w, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
+}
+inline void load16(const uint16_t* w, __m256& lo, __m256& hi) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-template <int M, typename W>
+// M rows times NP consecutive panels: 2 x M x NP accumulators in registers. Every output's sum runs
+// over the inputs in order in one accumulator, whatever M and NP, so a row's result does not depend
+// on how many rows or panels share its pass; NP > 1 only gives a pass of few rows enough independent
+// chains of multiply-adds to hide their latency (one row by one panel keeps two chains, and a decode
+// step's products ran at a quarter of the core's rate).
+template <int M, int NP, typename W>
 void panel_rows(const float* x, int64_t ldx, const W* panel, const float* bias, float* y, int64_t ldy,
-                int64_t in_features, int64_t valid) {
-  __m256 lo[M], hi[M];
+                int64_t in_features, int64_t out_left) {
+  __m256 lo[NP][M], hi[NP][M];
 #pragma GCC unroll 4
-  for (int r = 0; r < M; ++r) {
-    lo[r] = _mm256_setzero_ps();
-    hi[r] = _mm256_setzero_ps();
-  }
-  for (int64_t i = 0; i < in_features; ++i) {
-    const __m256 w_lo = load8(panel + i * kPanel);
-    const __m256 w_hi = load8(panel + i * kPanel + 8);
+  for (int q = 0; q < NP; ++q) {
 #pragma GCC unroll 4
     for (int r = 0; r < M; ++r) {
-      const __m256 v = _mm256_broadcast_ss(x + r * ldx + i);
-      lo[r] = _mm256_fmadd_ps(v, w_lo, lo[r]);
-      hi[r] = _mm256_fmadd_ps(v, w_hi, hi[r]);
+      lo[q][r] = _mm256_setzero_ps();
+      hi[q][r] = _mm256_setzero_ps();
+    }
+  }
+  const int64_t stride = in_features * kPanel;  // from one panel to the next
+  for (int64_t i = 0; i < in_features; ++i) {
+    __m256 v[M];
+#pragma GCC unroll 4
+    for (int r = 0; r < M; ++r) v[r] = _mm256_broadcast_ss(x + r * ldx + i);
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) {
+      __m256 w_lo, w_hi;
+      load16(panel + q * stride + i * kPanel, w_lo, w_hi);
+#pragma GCC unroll 4
+      for (int r = 0; r < M; ++r) {
+        lo[q][r] = _mm256_fmadd_ps(v[r], w_lo, lo[q][r]);
+        hi[q][r] = _mm256_fmadd_ps(v[r], w_hi, hi[q][r]);
+      }
     }
   }
   // The accumulators leave their registers once, with constant indices (a runtime index would
   // keep them in memory through the loop above).
-  alignas(32) float out[M][kPanel];
+  alignas(32) float out[NP][M][kPanel];
 #pragma GCC unroll 4
-  for (int r = 0; r < M; ++r) {
-    _mm256_store_ps(out[r], lo[r]);
-    _mm256_store_ps(out[r] + 8, hi[r]);
-  }
-  for (int r = 0; r < M; ++r) {
-    if (bias != nullptr) {
-      for (int64_t j = 0; j < valid; ++j) out[r][j] += bias[j];
+  for (int q = 0; q < NP; ++q) {
+#pragma GCC unroll 4
+    for (int r = 0; r < M; ++r) {
+      _mm256_store_ps(out[q][r], lo[q][r]);
+      _mm256_store_ps(out[q][r] + 8, hi[q][r]);
     }
-    std::memcpy(y + r * ldy, out[r], valid * sizeof(float));
+  }
+  for (int q = 0; q < NP; ++q) {
+    const int64_t valid = std::min(kPanel, out_left - q * kPanel);  // the weight's last panel is padded
+    const float* b = bias != nullptr ? bias + q * kPanel : nullptr;
+    for (int r = 0; r < M; ++r) {
+      if (b != nullptr) {
+        for (int64_t j = 0; j < valid; ++j) out[q][r][j] += b[j];
+      }
+      std::memcpy(y + r * ldy + q * kPanel, out[q][r], valid * sizeof(float));
+    }
+  }
+}
+
+// Panels per pass for M rows: 8 accumulators where the rows alone give fewer.
+template <int M>
+constexpr int kPanelsPerPass = M == 1 ? 4 : M == 2 ? 2 : 1;
+
+template <int M, typename W>
+void rows_by_panels(const float* x, int64_t in_features, const W* packed, int64_t out_features, const float* bias,
+                    float* y, int64_t begin, int64_t end) {
+  constexpr int NP = kPanelsPerPass<M>;
+  int64_t p = begin;
+  for (; p + NP <= end; p += NP) {
+    const int64_t col = p * kPanel;
+    panel_rows<M, NP>(x, in_features, packed + p * in_features * kPanel, bias != nullptr ? bias + col : nullptr,
+                      y + col, out_features, in_features, out_features - col);
+  }
+  for (; p < end; ++p) {
+    const int64_t col = p * kPanel;
+    panel_rows<M, 1>(x, in_features, packed + p * in_features * kPanel, bias != nullptr ? bias + col : nullptr,
+                     y + col, out_features, in_features, out_features - col);
   }
 }
 
 // y[rows, out_features] (row stride out_features) = x[rows, in_features] times the packed panels
-// [begin, end) of a weight (+ bias), each panel read once per group of up to kRows rows.
+// [begin, end) of a weight (+ bias). With more rows than one pass takes, the panels go by in blocks
+// small enough to stay in the core's cache while every group of up to kRows rows passes over them.
 template <typename W>
 void multiply_panels(const float* x, int64_t rows, int64_t in_features, const W* packed, int64_t out_features,
                      const float* bias, float* y, int64_t begin, int64_t end) {
-  for (int64_t p = begin; p < end; ++p) {
-    const W* panel = packed + p * in_features * kPanel;
-    const int64_t col = p * kPanel;
-    const int64_t valid = std::min(kPanel, out_features - col);
-    const float* pb = bias != nullptr ? bias + col : nullptr;
-    for (int64_t r = 0; r < rows; r += kRows) {
-      const float* xr = x + r * in_features;
-      float* yr = y + r * out_features + col;
-      switch (std::min(kRows, rows - r)) {
-        case 4: panel_rows<4>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
-        case 3: panel_rows<3>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
-        case 2: panel_rows<2>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
-        default: panel_rows<1>(xr, in_features, panel, pb, yr, out_features, in_features, valid); break;
-      }
+  const auto pass = [&](int64_t r, int64_t first, int64_t last) {
+    const float* xr = x + r * in_features;
+    float* yr = y + r * out_features;
+    switch (std::min(kRows, rows - r)) {
+      case 4: rows_by_panels<4>(xr, in_features, packed, out_features, bias, yr, first, last); break;
+      case 3: rows_by_panels<3>(xr, in_features, packed, out_features, bias, yr, first, last); break;
+      case 2: rows_by_panels<2>(xr, in_features, packed, out_features, bias, yr, first, last); break;
+      default: rows_by_panels<1>(xr, in_features, packed, out_features, bias, yr, first, last); break;
     }
+  };
+  if (rows <= kRows) {
+    pass(0, begin, end);
+    return;
+  }
+  const int64_t panel_bytes = in_features * kPanel * static_cast<int64_t>(sizeof(W));
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(4, (256 << 10) / panel_bytes));
+  for (int64_t p = begin; p < end; p += block) {
+    for (int64_t r = 0; r < rows; r += kRows) pass(r, p, std::min(end, p + block));
   }
 }
 

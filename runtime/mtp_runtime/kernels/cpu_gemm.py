@@ -25,6 +25,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output features per packed panel (cpu_gemm.cpp kPanel)
+BF16_ORDER = [f for j in range(PANEL // 2) for f in (j, j + PANEL // 2)]  # a bfloat16 panel row
+_BF16_INVERSE = [BF16_ORDER.index(f) for f in range(PANEL)]
 # Called from Python (eager steps), smaller weights stay on F.linear: their product costs less than
 # calling a custom op from Python (a few us).
 MIN_PACKED_ELEMENTS = 65536
@@ -123,7 +125,11 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
     padded[..., :out_features, :] = weight.detach()
     packed = padded.view(*lead, panels, PANEL, in_features).transpose(-1, -2).contiguous()
     narrow = packed.to(torch.bfloat16)
-    return narrow if torch.equal(narrow.float(), packed) else packed
+    if not torch.equal(narrow.float(), packed):
+        return packed
+    # Each panel row's 16 bfloat16 values go in the order of BF16_ORDER: as 8 32-bit words, word j
+    # holds features j and j + 8, so the kernel widens a row with a shift and a mask (cpu_gemm.cpp load16).
+    return narrow[..., BF16_ORDER].contiguous()
 
 
 def matching(first: torch.Tensor | None, second: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -131,7 +137,14 @@ def matching(first: torch.Tensor | None, second: torch.Tensor | None) -> tuple[t
     both could be bfloat16."""
     if first is None or second is None or first.dtype == second.dtype:
         return first, second
-    return first.float(), second.float()
+    return widen(first), widen(second)
+
+
+def widen(packed: torch.Tensor) -> torch.Tensor:
+    """Packed panels as float32 panels of the same weight (bfloat16 panels are stored interleaved)."""
+    if packed.dtype != torch.bfloat16:
+        return packed
+    return packed.float()[..., _BF16_INVERSE].contiguous()
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

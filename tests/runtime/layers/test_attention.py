@@ -54,11 +54,11 @@ def _mixed_batch():
     return AttentionMetadata(qsl, ctxs, tables, torch.tensor(slots), 4)
 
 
-def _per_sequence(meta, q, keys_cache, values_cache):
+def _per_sequence(meta, q, keys_cache, values_cache, scale=0.3):
     out = []
     for rows, positions, slots in meta.sequences():
         k, v = gather_cache(keys_cache, slots), gather_cache(values_cache, slots)
-        out.append(attend(q[rows], k, v, causal_mask(positions, k.shape[0]), 0.3))
+        out.append(attend(q[rows], k, v, causal_mask(positions, k.shape[0]), scale))
     return torch.cat(out)
 
 
@@ -165,6 +165,20 @@ def test_the_fused_kernel_matches_per_sequence_attention(news, ctxs):
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(got, attend_decode_batch_shared(batch, q, batch.keys(latent), 16, 0.3),
                                atol=2e-6, rtol=1e-5)
+
+
+@fused_kernel
+@pytest.mark.parametrize("heads,dim,value_dim", [(1, 8, 8), (4, 80, 64), (5, 84, 75), (8, 144, 128)])
+def test_the_fused_kernel_takes_any_head_count_and_width(heads, dim, value_dim):
+    """Heads beyond whole groups of four, widths beyond whole vectors, values in tiles of 64, 32, 8 and
+    a remainder: each against the general path, over several chunks of keys."""
+    meta = _step([1, 2], [70, 33], block_size=8, blocks=32, seed=heads)
+    gen = torch.Generator().manual_seed(dim)
+    latent = torch.randn(32, 8, dim, generator=gen)
+    q = torch.randn(3, heads, dim, generator=gen)
+    got = attend_decode_batch_cached(meta.decode_batch(), q, latent, value_dim, dim**-0.5)
+    expected = _per_sequence(meta, q, latent.unsqueeze(2), latent[..., :value_dim].unsqueeze(2), scale=dim**-0.5)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
 
 
 @fused_kernel

@@ -117,7 +117,7 @@ def test_bfloat16_valued_weights_pack_to_bfloat16_with_the_same_bits(pack_all, r
     packed = pack_all(weight)
     assert packed.dtype == torch.bfloat16 and packed.shape == (13, 72, 16)
     got = cpu_gemm.linear(x, weight, bias, packed)
-    assert torch.equal(got, cpu_gemm.linear(x, weight, bias, packed.float()))
+    assert torch.equal(got, cpu_gemm.linear(x, weight, bias, cpu_gemm.widen(packed)))
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     # one weight off the bfloat16 grid keeps the whole weight in float32
     weight[3, 5] += 1e-4
@@ -125,11 +125,16 @@ def test_bfloat16_valued_weights_pack_to_bfloat16_with_the_same_bits(pack_all, r
 
 
 def test_expert_weights_pack_in_one_dtype_per_pair(pack_all):
-    narrow = cpu_gemm.pack_experts(torch.randn(2, 32, 16).to(torch.bfloat16).float())
-    wide = cpu_gemm.pack_experts(torch.randn(2, 16, 16))
+    w13, w2 = torch.randn(2, 32, 16).to(torch.bfloat16).float(), torch.randn(2, 16, 16)
+    narrow, wide = cpu_gemm.pack_experts(w13), cpu_gemm.pack_experts(w2)
     assert (narrow.dtype, wide.dtype) == (torch.bfloat16, torch.float32)
     assert [t.dtype for t in cpu_gemm.matching(narrow, wide)] == [torch.float32, torch.float32]
     assert cpu_gemm.matching(narrow, narrow) == (narrow, narrow)
     x, weights, ids = torch.randn(3, 16), torch.rand(3, 1), torch.tensor([[0], [1], [0]])
+    # the widened panels are the same weight's (bfloat16 panels are stored interleaved)
+    got = cpu_gemm.moe_experts(x, weights, ids, *cpu_gemm.matching(narrow, wide), 0)
+    gate, up = (x.unsqueeze(1) @ w13[ids[:, 0]].transpose(1, 2)).squeeze(1).chunk(2, dim=-1)
+    want = weights * (w2[ids[:, 0]] @ (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="w13 is BFloat16 but w2 is Float"):
         cpu_gemm.moe_experts(x, weights, ids, narrow, wide, 0)

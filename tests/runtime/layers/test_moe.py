@@ -98,7 +98,7 @@ def test_packed_kernel_on_bfloat16_valued_experts_reads_bfloat16_panels(kernel, 
     experts.pack_weights()
     assert experts.w13_packed.dtype == experts.w2_packed.dtype == torch.bfloat16
     out = experts(x, weights, ids)
-    wide = cpu_gemm.moe_experts(x, weights, ids, experts.w13_packed.float(), experts.w2_packed.float(), 0)
+    wide = cpu_gemm.moe_experts(x, weights, ids, cpu_gemm.widen(experts.w13_packed), cpu_gemm.widen(experts.w2_packed), 0)
     assert torch.equal(out, wide)
     assert torch.allclose(out, looped, atol=1e-5) and looped.abs().max() > 0
 
