@@ -1,5 +1,6 @@
 """The LLM offline API and the LLMEngine request interface: outputs, stops, aborts, seeds, threads."""
 
+import gc
 import threading
 
 import pytest
@@ -73,6 +74,16 @@ def test_eos_ends_a_request_unless_ignored(kit, tiny_models):
     params = SamplingParams(temperature=0, max_tokens=10)
     out = kit.run_requests(engine, {"q": ([9, 10, 11], params)})["q"]
     assert out == probe[:probe.index(probe[2]) + 1]
+
+
+def test_an_engine_keeps_what_start_up_left_alive_out_of_the_garbage_collector(kit, tiny_models):
+    """gc.freeze() at the end of start-up: its objects skip the cyclic collector's passes."""
+    gc.unfreeze()
+    engine = kit.make_engine(tiny_models["deepseek_v3"], 1)
+    frozen = gc.get_freeze_count()
+    assert frozen > 10_000
+    out = kit.run_requests(engine, {"p": ([9, 10, 11], kit.greedy(4))})["p"]
+    assert len(out) == 4 and gc.get_freeze_count() == frozen
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(kit, tiny_models):
