@@ -255,17 +255,22 @@ class LLMEngine:
             return decoding
         draining = None
         if self.closed_batch and not self.scheduler.waiting and self._inbox.empty():
-            draining = [(seq.max_output_tokens - seq.num_output_tokens, seq.tried_per_position,
-                         seq.accepted_per_position) for seq in self.scheduler.running]
+            running = self.scheduler.running
+
+            def draining():  # built only on the steps the policy revises a drain's choice
+                return [(seq.max_output_tokens - seq.num_output_tokens, seq.tried_per_position,
+                         seq.accepted_per_position) for seq in running]
         k = self.policy.choose(max(1, sum(batch.samples)), draining)
         batch.num_speculative_tokens = k
         batch.num_real_drafts = []
         for i, seq in enumerate(batch.seqs):
             if decoding[i]:
-                seq.draft_token_ids = seq.draft_token_ids[:k]
-                if seq.draft_probs is not None:
-                    seq.draft_probs = seq.draft_probs[:k]
-                seq.num_real_drafts = min(seq.num_real_drafts, k)
+                if len(seq.draft_token_ids) > k:
+                    seq.draft_token_ids = seq.draft_token_ids[:k]
+                    if seq.draft_probs is not None:
+                        seq.draft_probs = seq.draft_probs[:k]
+                if seq.num_real_drafts > k:
+                    seq.num_real_drafts = k
                 batch.num_draft_tokens[i] = k
             batch.num_real_drafts.append(seq.num_real_drafts if decoding[i] else 0)
         return decoding
@@ -288,9 +293,7 @@ class LLMEngine:
         k = batch.num_speculative_tokens
         self.last_step = StepRecord(k, now - start, len(batch))
         if self.policy.adaptive:
-            for real, a in zip(batch.num_real_drafts, accepted):
-                if real:
-                    self.policy.record_verify(real, a)
+            self.policy.record_verifies([(real, a) for real, a in zip(batch.num_real_drafts, accepted) if real])
             if all(decoding) and all(c == 1 for c in batch.num_chunk_tokens):
                 self.policy.record_step(k, len(batch), now - start)
             self.policy.end_step()

@@ -120,10 +120,14 @@ class AdaptivePolicy:
     drain_interval: int = 4  # a closed batch's choice is revised every this many steps
     seed: int = 0
     adaptive = True
+    # Decayed counts, stored scaled: a count is the stored value / its scale. Decaying every count each
+    # step is then one division of the scale (the policy's bookkeeping is paid on every decode step).
     _tries: list[float] = field(init=False)
     _hits: list[float] = field(init=False)
+    _scale: float = field(init=False, default=1.0)
     _long_tries: list[float] = field(init=False)  # the same counts, decayed by long_decay
     _long_hits: list[float] = field(init=False)
+    _long_scale: float = field(init=False, default=1.0)
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # at unit load
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
     _current: int = field(init=False, default=0)
@@ -160,14 +164,29 @@ class AdaptivePolicy:
         """One sequence's verify: `real_drafts` drafts from the draft model (filler after them is no
         evidence), `accepted` of the step's drafts accepted. Draft j (1-based) was tried when the j-1
         before it were accepted."""
-        real = min(real_drafts, self.max_k)
-        accepted = min(accepted, real)
-        for j in range(min(accepted + 1, real)):
-            self._tries[j] += 1.0
-            self._long_tries[j] += 1.0
-            if j < accepted:
-                self._hits[j] += 1.0
-                self._long_hits[j] += 1.0
+        self.record_verifies(((real_drafts, accepted),))
+
+    def record_verifies(self, verifies) -> None:
+        """A step's verifies, (real drafts, accepted) per sequence (`record_verify`)."""
+        K = self.max_k
+        tried_to = [0] * (K + 1)  # sequences whose drafts 1..j were tried, at j
+        hit_to = [0] * (K + 1)
+        for real, accepted in verifies:
+            real = min(real, K)
+            accepted = min(accepted, real)
+            tried_to[min(accepted + 1, real)] += 1
+            hit_to[accepted] += 1
+        tried = hit = 0
+        scale, long_scale = self._scale, self._long_scale
+        for j in range(K, 0, -1):  # draft j was tried by every sequence that reached j or more
+            tried += tried_to[j]
+            hit += hit_to[j]
+            if tried:
+                self._tries[j - 1] += tried * scale
+                self._long_tries[j - 1] += tried * long_scale
+            if hit:
+                self._hits[j - 1] += hit * scale
+                self._long_hits[j - 1] += hit * long_scale
 
     def record_step(self, k: int, batch_size: int, seconds: float) -> None:
         """The wall time of a step of `batch_size` decoding sequences at depth k (decode-only
@@ -189,25 +208,27 @@ class AdaptivePolicy:
 
     def end_step(self) -> None:
         """Once per engine step, after its evidence: older counts weigh less."""
-        for j in range(self.max_k):
-            self._tries[j] *= self.decay
-            self._hits[j] *= self.decay
-            self._long_tries[j] *= self.long_decay
-            self._long_hits[j] *= self.long_decay
+        self._scale /= self.decay
+        self._long_scale /= self.long_decay
+        if self._scale > 1e100 or self._long_scale > 1e100:  # fold the scales into the counts
+            for counts, scale in ((self._tries, self._scale), (self._hits, self._scale),
+                                  (self._long_tries, self._long_scale), (self._long_hits, self._long_scale)):
+                counts[:] = [c / scale for c in counts]
+            self._scale = self._long_scale = 1.0
 
     # estimates -----------------------------------------------------------------
 
     def acceptance(self) -> list[float]:
         """p_j for j = 1..max_k: chance that draft j is accepted given the drafts before it were."""
-        return self._rates(self._hits, self._tries)
+        return self._rates(self._hits, self._tries, self._scale)
 
     def long_run_acceptance(self) -> list[float]:
         """p_j over the last ~1 / (1 - long_decay) steps: what a sequence that has not verified yet is
         expected to accept in a closed batch (the recent estimate, at the end of a batch, is that of its
         slowest sequences alone)."""
-        return self._rates(self._long_hits, self._long_tries)
+        return self._rates(self._long_hits, self._long_tries, self._long_scale)
 
-    def _rates(self, hits: list[float], tries: list[float]) -> list[float]:
+    def _rates(self, hits: list[float], tries: list[float], scale: float) -> list[float]:
         """Decayed counts -> rates, each shrunk by prior_weight verifies towards a prior: for draft 1
         prior_acceptance, for draft j > 1 the estimate of draft j - 1. A depth the policy is not using
         gets no evidence between probes, and its counts decay to nothing within a few dozen steps; with
@@ -216,7 +237,7 @@ class AdaptivePolicy:
         was valued at 50% at position 3, and the policy stayed below the best depth for hundreds of
         steps). Without evidence of its own, a deeper draft is expected to do as well as the one
         before it, the first as well as the prior says."""
-        w, prior = self.prior_weight, self.prior_acceptance
+        w, prior = self.prior_weight * scale, self.prior_acceptance  # counts are stored times scale
         rates = []
         for h, t in zip(hits, tries):
             prior = (h + w * prior) / (t + w)
@@ -225,11 +246,16 @@ class AdaptivePolicy:
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one sequence gains from a step at depth k (the verified token plus accepted drafts)."""
-        total, run = 1.0, 1.0
-        for p in self.acceptance()[:k]:
+        return self.expected_tokens_by_depth()[k]
+
+    def expected_tokens_by_depth(self) -> list[float]:
+        """expected_tokens(k) for k = 0..max_k."""
+        out, total, run = [1.0], 1.0, 1.0
+        for p in self.acceptance():
             run *= p
             total += run
-        return total
+            out.append(total)
+        return out
 
     def cost(self, k: int, batch_size: int) -> float | None:
         """Estimated seconds of a step at depth k for this batch size: its bucket's estimate, else
@@ -259,7 +285,7 @@ class AdaptivePolicy:
 
     def scores(self, batch_size: int) -> list[float | None]:
         """Expected tokens per second at each depth (None: no cost measured yet)."""
-        return [None if c is None else self.expected_tokens(k) / c for k, c in enumerate(self.step_costs(batch_size))]
+        return [None if c is None else e / c for e, c in zip(self.expected_tokens_by_depth(), self.step_costs(batch_size))]
 
     def sequence_expected_tokens(self, tried: list[int], accepted: list[int],
                                  acceptance: list[float] | None = None) -> list[float]:
@@ -305,16 +331,18 @@ class AdaptivePolicy:
     def choose(self, batch_size: int, draining=None) -> int:
         """The k of the next step, whose batch holds about `batch_size` decoding sequences. `draining`:
         given when the batch is closed (nothing waits, nothing will arrive), (tokens left, tried per
-        position, accepted per position) of every running sequence; with two or more, the k that
-        finishes them soonest is chosen (module docstring)."""
+        position, accepted per position) of every running sequence, or a function that returns them
+        (called only on the steps that revise the choice, with batch_size taken for their number);
+        with two or more, the k that finishes them soonest is chosen (module docstring)."""
         if self._probe_left:
             self._probe_left -= 1
             return self._probe_k
         scores: list[float | None] | None
-        if draining is not None and len(draining) > 1:
+        closed = draining is not None and (batch_size > 1 if callable(draining) else len(draining) > 1)
+        if closed:
             # a drain's outlook changes slowly, and its estimate costs ~100 us at 32 sequences in Python
             self._drain_wait, fresh = (self._drain_wait - 1, False) if self._drain_wait else (self.drain_interval - 1, True)
-            scores = self.drain_scores(draining) if fresh else None
+            scores = self.drain_scores(draining() if callable(draining) else draining) if fresh else None
         else:
             self._drain_wait = 0
             scores = self.scores(max(1, batch_size))

@@ -159,8 +159,9 @@ def test_generate_tells_adaptive_depth_when_its_batch_is_closed(tiny_models):
     engine, calls = llm.engine, []
 
     def recording(batch_size, draining=None):  # every step verifies one draft, so sequences have a record
+        # (the engine hands a function that reads the running sequences' records when called)
         calls.append((len(engine.scheduler.waiting), draining and [(left, list(tried), list(hit))
-                                                                   for left, tried, hit in draining]))
+                                                                   for left, tried, hit in draining()]))
         return 1
     engine.policy.choose = recording
     outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12], [13]], SamplingParams(temperature=0, max_tokens=10,

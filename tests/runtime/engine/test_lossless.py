@@ -143,7 +143,7 @@ class RandomDepth:
     def record_step(self, k, batch_size, seconds) -> None:
         pass
 
-    def record_verify(self, real_drafts, accepted) -> None:
+    def record_verifies(self, verifies) -> None:
         pass
 
     def end_step(self) -> None:

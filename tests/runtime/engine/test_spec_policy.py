@@ -72,6 +72,39 @@ def test_recent_steps_weigh_more():
     assert policy.acceptance()[0] < 0.4
 
 
+def test_a_step_s_verifies_counted_together_weigh_as_the_decayed_counts_of_each_one():
+    """The policy keeps its counts scaled (one division per step instead of decaying every count) and
+    takes a step's verifies at once; its estimates equal counts decayed one by one, here written out."""
+    rng = random.Random(5)
+    decay, long_decay, w = 0.8, 0.99, 0.1
+    policy = AdaptivePolicy(3, decay=decay, long_decay=long_decay, prior_weight=w)
+    tries, hits, long_tries, long_hits = ([0.0] * 3 for _ in range(4))
+    for step in range(3000):  # long enough for the scales to be folded into the counts several times
+        verifies = [(rng.randint(0, 3), rng.randint(0, 3)) for _ in range(rng.randint(0, 5))]
+        policy.record_verifies(verifies)
+        for real, accepted in verifies:
+            accepted = min(accepted, real)
+            for j in range(min(accepted + 1, real)):
+                for counts in (tries, long_tries):
+                    counts[j] += 1
+                if j < accepted:
+                    for counts in (hits, long_hits):
+                        counts[j] += 1
+        if step % 997 == 0 or step == 2999:
+            for got, (h, t) in ((policy.acceptance(), (hits, tries)), (policy.long_run_acceptance(), (long_hits, long_tries))):
+                prior, want = 0.5, []
+                for hj, tj in zip(h, t):
+                    prior = (hj + w * prior) / (tj + w)
+                    want.append(prior)
+                assert got == pytest.approx(want, rel=1e-9)
+        policy.end_step()
+        tries[:] = [c * decay for c in tries]
+        hits[:] = [c * decay for c in hits]
+        long_tries[:] = [c * long_decay for c in long_tries]
+        long_hits[:] = [c * long_decay for c in long_hits]
+    assert policy._scale < 1e100  # folded: 0.8 ** -3000 is past what a float holds
+
+
 def _seeded(policy: AdaptivePolicy, cost) -> AdaptivePolicy:
     for k in range(policy.max_k + 1):
         for b in (1, 4, 16):
@@ -280,6 +313,14 @@ def test_a_closed_batch_s_choice_is_revised_every_drain_interval_steps():
     assert [policy.choose(32, [slow] * 4 + [fast] * 28) for _ in range(2)] == [0, 0]  # revised at the first
     # every sequence fast now: k = 1 pays again, but the choice holds for the rest of the 4 steps
     assert [policy.choose(32, [fast] * 32) for _ in range(5)] == [0, 0, 1, 1, 1]
+    # the engine hands a function: the sequences' records are read only on the steps that revise
+    built = []
+
+    def draining():
+        built.append(1)
+        return [slow] * 32
+    assert [policy.choose(32, draining) for _ in range(8)] == [1, 0, 0, 0, 0, 0, 0, 0]
+    assert len(built) == 2
 
 
 def test_a_batch_s_slow_tail_does_not_set_what_the_next_batch_s_sequences_are_expected_to_accept():
