@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -160,10 +161,37 @@ def _resolve(root: nn.Module, path: str) -> torch.Tensor:
     return obj
 
 
+_LOAD_LOCK = threading.Lock()
+
+
 def _load_package(path: Path):
-    with warnings.catch_warnings():  # torch's own loader still uses a pytree class it deprecated
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        return torch._inductor.aoti_load_package(str(path))
+    """torch's loader unpacks a package's library into a directory of its own under the temporary
+    directory and leaves it there when the process ends (15-20 MB a package, every start of an
+    engine). Once loaded, the library is mapped and the directory is not read again, so the loader
+    is pointed at a scratch directory of ours (its C++ side takes the temporary directory from
+    TMPDIR, set only while it loads) that is removed as soon as it returns."""
+    scratch = tempfile.mkdtemp(prefix="mtp-aot-load-")  # (Python's own temp directory is fixed by now)
+    try:
+        with _LOAD_LOCK, _environment(TMPDIR=scratch), warnings.catch_warnings():
+            # torch's own loader still uses a pytree class it deprecated
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            return torch._inductor.aoti_load_package(str(path))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _names_a_tensor(root: nn.Module, path: str) -> bool:

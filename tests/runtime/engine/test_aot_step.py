@@ -11,7 +11,9 @@ The packages the real compiles here produce are cached in the machine's director
 
 import json
 import logging
+import os
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -54,9 +56,12 @@ def plan(k, batch, width, block_size=SETTINGS["block_size"]):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("k,draft_keys", [(2, False), (0, True)])
-def test_the_package_computes_what_the_eager_step_does(eager_engine, k, draft_keys):
+def test_the_package_computes_what_the_eager_step_does(eager_engine, k, draft_keys, tmp_path, monkeypatch):
     """Every batch size (1 included) and table width (1 included) from one package: the same tokens,
-    and the same keys written into the main and draft caches (within float rounding)."""
+    and the same keys written into the main and draft caches (within float rounding). The directory
+    torch's loader unpacks the package into is gone once it is loaded (torch leaves it behind)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where torch's loader would leave them
     runner = eager_engine.runner
     caches = random_caches(runner, seed=k)
     step = AotDecodeStep(runner.main, runner.draft, k, runner.block_size, draft_keys=draft_keys)
@@ -65,6 +70,9 @@ def test_the_package_computes_what_the_eager_step_does(eager_engine, k, draft_ke
     with torch.inference_mode():
         step.warm_up([1, 2], runner.num_blocks, *copies(caches), torch.device("cpu"))
         assert step.built + step.loaded == 1 and list(step._runners) == [1]
+        left = [p.name for p in tmp_path.iterdir() if p.name.startswith(("aotinductor_", "mtp-aot-load-"))]
+        assert not left, f"the package's unpacked files were left behind: {left}"
+        assert os.environ["TMPDIR"] == str(tmp_path)
         for batch, width in [(1, 1), (1, 3), (2, 2), (3, 5), (7, 2)]:
             want_caches, got_caches = copies(caches), copies(caches)
             want = eager(plan(k, batch, width), *want_caches)
