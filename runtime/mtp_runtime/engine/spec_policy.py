@@ -16,7 +16,8 @@ tokens per second, E[k] / c(k, b). A machine whose speed changes (other work
 on its cores) would make the depth in use look dearer than the others, last
 measured when it was quieter, so every step's time is split into a bucket's
 load factor, which moves fast and is shared by all k, and the k's own cost
-at unit load, which moves slowly: c(k, b) = load(b) * unit(k, b). A k's score must beat the current one's
+at unit load, which moves slowly: c(k, b) = load(b) * unit(k, b). Only the depth in use moves the
+load; a step at another depth (a probe) moves that depth's unit cost, by `probe_cost_smoothing`. A k's score must beat the current one's
 by `switch_margin` to replace it (noise in the timings would otherwise flip
 k every step, and each rise pays for drafts the previous step did not make).
 
@@ -107,6 +108,7 @@ class AdaptivePolicy:
     decay: float = 0.9  # per step; the counts of the last ~1 / (1 - decay) steps dominate
     cost_smoothing: float = 0.05  # weight of a new step time in its (k, bucket) cost at unit load
     load_smoothing: float = 0.3  # weight of a new step time in its bucket's load factor
+    probe_cost_smoothing: float = 0.3  # weight of a step at a depth not in use (a probe) in that depth's cost
     # steps between probes (jittered +-25%); each costs a few tokens (a step at the probed k, the next
     # one's filler), about 1% of the tokens at this interval
     probe_interval: int = 128
@@ -144,9 +146,10 @@ class AdaptivePolicy:
                              f"(--num_speculative_tokens is the largest k adaptive depth may choose)")
         if not 0 < self.decay <= 1 or not 0 < self.long_decay <= 1:
             raise ValueError(f"AdaptivePolicy: decay={self.decay} and long_decay={self.long_decay} must lie in (0, 1]")
-        if not 0 < self.cost_smoothing <= 1 or not 0 < self.load_smoothing <= 1:
-            raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing} and load_smoothing="
-                             f"{self.load_smoothing} must lie in (0, 1]")
+        if not all(0 < w <= 1 for w in (self.cost_smoothing, self.load_smoothing, self.probe_cost_smoothing)):
+            raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing}, load_smoothing="
+                             f"{self.load_smoothing} and probe_cost_smoothing={self.probe_cost_smoothing} "
+                             f"must lie in (0, 1]")
         if self.sequence_prior_weight <= 0:
             raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} must be > 0")
         if self.probe_interval < 1 or self.probe_steps < 1 or self.drain_interval < 1:
@@ -200,10 +203,17 @@ class AdaptivePolicy:
         if cost is None:
             self._costs[key] = _Cost(seconds / load)
             return
+        cost.samples += 1
+        if k != self._current:
+            # A probe (or a warm-up step at another depth): the load is the depth in use's to follow, step
+            # after step; what a probe tells is how this depth compares with it, so it moves this depth's
+            # own cost, and fast: probes are rare, and the depths not in use are otherwise known only from
+            # the start-up's dummy steps, which can be off by more than the margin between two depths.
+            cost.seconds += max(self.probe_cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
+            return
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
         # then the k's own cost at unit load: the mean of its first samples, then a slow EMA
-        cost.samples += 1
         cost.seconds += max(self.cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
 
     def end_step(self) -> None:

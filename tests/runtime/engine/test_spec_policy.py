@@ -260,6 +260,32 @@ def test_a_machine_that_slows_down_does_not_make_the_depth_in_use_look_dear():
     assert policy.cost(0, 4) == pytest.approx(2.5, rel=0.15)  # the load moved every k's estimate
 
 
+def test_probes_correct_a_start_up_estimate_of_a_depth_not_in_use():
+    """The start-up's dummy steps said a k = 1 step costs 2.0, where real ones cost 1.6 (k = 0: 1.0 both).
+    With p = 0.8 (E = 1.8 tokens) k = 1 looks worse (0.9 tokens a unit of time against 1.0) and is
+    better (1.125). The policy starts at k = 0, whose steps set the load; a probe of k = 1 moves k = 1's
+    own cost, not the load, so two probes (16 steps apart) move it to k = 1. (When probes moved the
+    load, which the next k = 0 steps moved back, it took about 100 steps.)"""
+    seeded = {0: 1.0, 1: 2.0}
+    real = {0: 1.0, 1: 1.6}
+    policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16)
+    for _ in range(5):  # as the engine's warm-up: five dummy steps at each depth
+        _seeded(policy, lambda k, b: seeded[k])
+    for _ in range(10):
+        for accepted in (1, 1, 1, 1, 0):
+            policy.record_verify(1, accepted)
+    chosen = []
+    for _ in range(400):
+        k = policy.choose(4)
+        policy.record_step(k, 4, real[k])
+        chosen.append(k)
+    assert chosen[:10] == [0] * 10
+    settled = next(i for i in range(len(chosen)) if chosen[i:i + 50].count(1) >= 45)
+    assert settled <= 40, chosen[:settled + 5]
+    assert chosen[-200:].count(1) >= 190
+    assert policy.cost(1, 4) / policy.cost(0, 4) == pytest.approx(1.6, rel=0.03)
+
+
 def test_a_sequence_s_own_verifies_move_its_expected_tokens_from_the_policy_s():
     policy = AdaptivePolicy(2, prior_weight=1e-9, sequence_prior_weight=4.0)
     for _ in range(20):
