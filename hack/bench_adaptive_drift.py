@@ -4,11 +4,11 @@ seconds and speculate again once the good draft is back.
 
 One engine at a time, a steady load of --batch requests in flight (a finished request is replaced at
 once), for three phases of --phase-seconds each: the checkpoint's own MTP draft, then the MTP layer
-of another checkpoint (BAD_DRAFT_DIR: same sizes, another seed, so it almost never agrees; the main
-model's embedding and head, as the good draft has), then the
-good draft again (`ModelRunner.swap_draft`: graph mode's compiled steps follow it, an ahead-of-time
-package by being handed the new draft's tensors; the draft cache keeps the keys the bad draft wrote,
-as a real swap would). Systems: k = 0, fixed k = K, adaptive with K. Per 0.5 s: output tokens/s and
+of another checkpoint (BAD_DRAFT_DIR: same sizes, another seed, so it almost never agrees; on the
+main model's embedding and head, as the good draft is), then the good draft again
+(`ModelRunner.swap_draft`: graph mode's compiled steps follow it, an ahead-of-time package by being
+handed the new draft's tensors; the draft cache keeps the keys the bad draft wrote, as a real swap
+would). Systems: k = 0, fixed k = K, adaptive with K. Per 0.5 s: output tokens/s and
 the mean k of the steps. Writes drift.json, drift.md and drift.png to OUT.
 
     python hack/bench_adaptive_drift.py MODEL_DIR BAD_DRAFT_DIR OUT [--batch 4] [--k 3] [--phase-seconds 10]
@@ -59,12 +59,13 @@ def run_system(args, k: int, adaptive: bool, prompts: list[list[int]]) -> list[t
     runner = engine.runner
     drafts = [runner.draft, None, runner.draft]
     if k:
-        drafts[1] = bad = load_draft(args.bad_draft_dir, main=runner.main, dtype=runner.dtype, device=str(runner.device))
+        bad = load_draft(args.bad_draft_dir, main=runner.main, dtype=runner.dtype, device=str(runner.device))
         # Only the other checkpoint's MTP layer: its embedding and head (another seed's, so not shared with
         # the main model by the loader) are the main model's, as they are for the good draft; a draft that
         # held its own would not fit the ahead-of-time packages, which know which tensors are one.
         bad.use_main_head(runner.main.lm_head)
         bad.use_main_embedding(runner.main.model.embed_tokens)
+        drafts[1] = bad
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     served, in_flight, steps = 0, set(), []
 

@@ -16,8 +16,9 @@ tokens per second, E[k] / c(k, b). A machine whose speed changes (other work
 on its cores) would make the depth in use look dearer than the others, last
 measured when it was quieter, so every step's time is split into a bucket's
 load factor, which moves fast and is shared by all k, and the k's own cost
-at unit load, which moves slowly: c(k, b) = load(b) * unit(k, b). Only the depth in use moves the
-load; a step at another depth (a probe) moves that depth's unit cost, by `probe_cost_smoothing`. A k's score must beat the current one's
+at unit load, which moves slowly: c(k, b) = load(b) * unit(k, b). Only the
+depth in use moves the load; a step at another depth (a probe) moves that
+depth's unit cost, by `probe_cost_smoothing`. A k's score must beat the current one's
 by `switch_margin` to replace it (noise in the timings would otherwise flip
 k every step, and each rise pays for drafts the previous step did not make).
 
@@ -295,7 +296,8 @@ class AdaptivePolicy:
 
     def scores(self, batch_size: int) -> list[float | None]:
         """Expected tokens per second at each depth (None: no cost measured yet)."""
-        return [None if c is None else e / c for e, c in zip(self.expected_tokens_by_depth(), self.step_costs(batch_size))]
+        costs = self.step_costs(batch_size)
+        return [None if c is None else e / c for e, c in zip(self.expected_tokens_by_depth(), costs)]
 
     def sequence_expected_tokens(self, tried: list[int], accepted: list[int],
                                  acceptance: list[float] | None = None) -> list[float]:

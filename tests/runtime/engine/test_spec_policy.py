@@ -91,7 +91,8 @@ def test_a_step_s_verifies_counted_together_weigh_as_the_decayed_counts_of_each_
                     for counts in (hits, long_hits):
                         counts[j] += 1
         if step % 997 == 0 or step == 2999:
-            for got, (h, t) in ((policy.acceptance(), (hits, tries)), (policy.long_run_acceptance(), (long_hits, long_tries))):
+            for got, (h, t) in ((policy.acceptance(), (hits, tries)),
+                                (policy.long_run_acceptance(), (long_hits, long_tries))):
                 prior, want = 0.5, []
                 for hj, tj in zip(h, t):
                     prior = (hj + w * prior) / (tj + w)
