@@ -44,25 +44,59 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+def _pointer(path: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.split("/")[1:]]
+
+
+def _parent(doc: Any, path: str) -> tuple[Any, str]:
+    *parents, last = _pointer(path)
+    node: Any = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+    return node, last
+
+
+def _get(doc: Any, path: str) -> Any:
+    node, last = _parent(doc, path)
+    return node[int(last)] if isinstance(node, list) else node.get(last)
+
+
+def _remove(doc: Any, path: str) -> Any:
+    node, last = _parent(doc, path)
+    return node.pop(int(last) if isinstance(node, list) else last)
+
+
+def _add(doc: Any, path: str, value: Any, replace: bool = False) -> None:
+    node, last = _parent(doc, path)
+    if not isinstance(node, list):
+        node[last] = value
+    elif last == "-":
+        node.append(value)
+    elif replace:
+        node[int(last)] = value
+    else:
+        node.insert(int(last), value)
+
+
 def json_patch(target: dict, ops: list[dict]) -> dict:
-    """RFC 6902 add/replace/remove/test (what kopf sends for finalizers); raises ValueError on a failed test."""
+    """RFC 6902 (kopf sends it for finalizers and for our conditions, led by a resourceVersion test);
+    raises ValueError on a failed test."""
     doc = copy.deepcopy(target)
     for op in ops:
-        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
-        node: Any = doc
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-        if op["op"] == "test":
-            current = node[int(last)] if isinstance(node, list) else node.get(last)
-            if current != op["value"]:
-                raise ValueError(f"test failed at {op['path']}")
-        elif op["op"] in ("add", "replace"):
-            if isinstance(node, list):
-                node.append(op["value"]) if last == "-" else node.insert(int(last), op["value"])
-            else:
-                node[last] = op["value"]
-        elif op["op"] == "remove":
-            del node[int(last) if isinstance(node, list) else last]
+        kind, path = op["op"], op["path"]
+        if kind == "test":
+            if _get(doc, path) != op["value"]:
+                raise ValueError(f"test failed at {path}")
+        elif kind in ("add", "replace"):
+            _add(doc, path, copy.deepcopy(op["value"]), replace=kind == "replace")
+        elif kind == "remove":
+            _remove(doc, path)
+        elif kind == "move":
+            _add(doc, path, _remove(doc, op["from"]))
+        elif kind == "copy":
+            _add(doc, path, copy.deepcopy(_get(doc, op["from"])))
+        else:
+            raise ValueError(f"unknown JSON patch op {kind!r} at {path}")
     return doc
 
 

@@ -5,7 +5,9 @@
 
 Handlers only gather state (kopf indices, the per-object memo) and call
 `reconcile.reconcile`; kopf applies the status patch itself (status
-subresource). The same reconcile runs on create, on spec update, on operator
+subresource): a merge patch of our fields, or, when our conditions change
+(a list other controllers write too), one JSON patch of the whole status
+tested against the resourceVersion of the newest copy (status.StatusUpdate). The same reconcile runs on create, on spec update, on operator
 resume and on a timer (level-based: Job finished, pods ready, a rank
 restarted). A second timer scrapes rank 0's metrics every
 MTP_OPERATOR_METRICS_INTERVAL seconds.
@@ -35,7 +37,7 @@ from mtp_operator.reconcile import Cluster, phase_event, reconcile
 from mtp_operator.rollout import Counters
 from mtp_operator.settings import OperatorSettings
 from mtp_operator.spec import SpecError, parse_spec
-from mtp_operator.status import status_changes, utc_now, with_conditions_of
+from mtp_operator.status import StatusUpdate, status_changes, utc_now, with_conditions_of
 
 log = logging.getLogger(__name__)
 OURS = {c.LABEL_MANAGED_BY: c.MANAGED_BY_VALUE}
@@ -120,8 +122,16 @@ def build_registry(settings: OperatorSettings, api_client_factory: Callable[[], 
             memo["status"] = outcome.status
         old = dict(body.get("status") or {})
         changes = status_changes(old, outcome.status)
-        for field_name, value in changes.items():
-            patch.status[field_name] = value
+        # Conditions are shared with other writers: a change to ours is never merge-patched (that
+        # replaces the list with `body`'s copy of theirs) but written with the rest of our status onto
+        # the newest copy, under kopf's resourceVersion test. It replaces one of ours still pending
+        # from a run whose test failed, which would otherwise be applied after this run's changes.
+        pending = [fn for fn in patch.fns if isinstance(fn, StatusUpdate)]
+        if "conditions" in changes or pending:
+            patch.fns[:] = [fn for fn in patch.fns if fn not in pending] + [StatusUpdate(outcome.status)]
+        else:
+            for field_name, value in changes.items():
+                patch.status[field_name] = value
         change = phase_event(known, outcome.status)
         for event_type, reason, message in outcome.events + ([change] if change else []):
             state["kube"].post_event(body, reason, message, event_type)

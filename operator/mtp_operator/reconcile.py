@@ -2,7 +2,8 @@
 
     outcome = reconcile(body, Cluster(kube, settings, jobs, pods, statefulsets, revisions), stats, now,
                         group_stats=..., counters=...)
-    patch.status.update(status_changes(body["status"], outcome.status)); post outcome.events
+    the status changes into kopf's patch (handlers.py; a StatusUpdate
+    transformation when conditions change); post outcome.events
 
 Flow: validate -> the group template's revision (a ControllerRevision, created once) -> export Job
 of the newest revision (create once; its name is derived from the export settings, so a restarted

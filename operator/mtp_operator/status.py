@@ -208,6 +208,34 @@ def with_conditions_of(status: dict[str, Any], observed: dict[str, Any] | None) 
     return {**status, "conditions": own + foreign_conditions(observed)}
 
 
+class StatusUpdate:
+    """Our whole status as a kopf patch transformation (`patch.fns`), applied to the newest copy of the
+    object kopf has: every field ours, other writers' conditions kept exactly as that copy has them.
+
+    Used whenever our conditions change. A merge patch replaces a list whole, so merge-patching
+    `conditions` from the copy a handler was given would put back another writer's older conditions
+    if it wrote in between. kopf sends this transformation as one JSON patch led by a test of that
+    copy's resourceVersion: all of it is written or, if the object changed since, none of it, and kopf
+    applies it again to the next copy it sees."""
+
+    def __init__(self, status: dict[str, Any]):
+        self.status = status
+
+    def __call__(self, body: dict[str, Any]) -> None:
+        current = body.get("status") or {}
+        new = {key: value for key, value in current.items() if key in STATUS_KEPT}
+        new.update(self.status)
+        own = [cond for cond in self.status.get("conditions", []) if cond.get("type") in OWN_CONDITIONS]
+        new["conditions"] = own + foreign_conditions(current)
+        body["status"] = new
+
+    def __repr__(self) -> str:
+        return f"StatusUpdate(phase={self.status.get('phase')!r})"
+
+
+STATUS_KEPT = ("kopf",)  # status keys that are not ours: never deleted by our writes
+
+
 def _merge_diff(old: dict[str, Any], new: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
     patch: dict[str, Any] = {}
     for key, value in new.items():
@@ -225,4 +253,4 @@ def _merge_diff(old: dict[str, Any], new: dict[str, Any], keep: tuple[str, ...] 
 def status_changes(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     """A merge patch turning `old` into `new` (None deletes, at any depth: a merge patch keeps the keys
     of a nested object it does not mention); empty when nothing changed."""
-    return _merge_diff(old or {}, new, keep=("kopf",))
+    return _merge_diff(old or {}, new, keep=STATUS_KEPT)

@@ -117,3 +117,27 @@ def test_a_small_fleet_is_created_and_rolled_by_the_real_operator():
     assert result["statefulsets"] == 4 and result["stale_after_roll"] == 0
     assert result["pods_created"] >= 2 * 2 * 2 * 2  # nnodes 2 per group, once created and once rolled
     assert result["reconcile_calls"] > 0 and result["peak_rss_mb"] > 0 and result["roll_writes_per_resource"] > 0
+
+
+def test_json_patch_applies_every_op_the_jsonpatch_library_writes_for_a_diff():
+    # kopf writes its JSON patches with jsonpatch.from_diff: list elements replaced, inserted, moved,
+    # removed. Our emulator must end where the library's own applier ends, for any pair.
+    import random
+
+    import jsonpatch
+
+    rng = random.Random(7)
+    kinds = ["Ready", "Progressing", "Degraded", "DraftReady", "ExternalCheck", "Policy"]
+    for _ in range(400):
+        def conditions() -> list[dict]:
+            picked = rng.sample(kinds, rng.randint(0, len(kinds)))
+            return [{"type": t, "status": rng.choice(["True", "False"]), "message": f"m{rng.randint(0, 2)}"}
+                    for t in picked]
+        before = {"metadata": {"resourceVersion": "5"}, "status": {"conditions": conditions(), "phase": "A"}}
+        after = {"metadata": {"resourceVersion": "5"}, "status": {"conditions": conditions(), "phase": "B"}}
+        ops = jsonpatch.JsonPatch.from_diff(before, after).patch
+        assert fake.json_patch(before, ops) == jsonpatch.apply_patch(before, ops) == after, ops
+    ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": "4"},
+           {"op": "replace", "path": "/status/phase", "value": "C"}]
+    with pytest.raises(ValueError, match="test failed at /metadata/resourceVersion"):
+        fake.json_patch(before, ops)

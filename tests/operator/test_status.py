@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mtp_operator.metrics import SpecDecodeStats
 from mtp_operator.observations import ExportObservation, Observations, RankObservation
 from mtp_operator.status import compute_status, status_changes
@@ -146,3 +148,35 @@ def test_status_changes_delete_nested_keys_the_new_status_lacks():
     assert patch == {"rollout": {"phase": None, "canaryGroups": None}}
     applied = {**old, "rollout": {k: v for k, v in {**old["rollout"], **patch["rollout"]}.items() if v is not None}}
     assert applied == new and status_changes(applied, new) == {}
+
+
+def test_a_status_update_goes_onto_the_newest_copy_under_a_resource_version_test():
+    # kopf's own machinery turns the transformation into the JSON patch it sends: our fields and
+    # conditions as one change of the newest copy, led by the test of its resourceVersion; another
+    # writer's condition is kept as that copy has it, not as the handler's older copy had it.
+    import jsonpatch
+    from kopf import Patch
+
+    from mtp_operator.status import StatusUpdate
+
+    theirs = {"type": "ExternalCheck", "status": "True", "reason": "Checked", "message": "round 29"}
+    mine_then = [{"type": "Ready", "status": "False", "reason": "RanksNotReady", "message": "0/1"}]
+    mine_now = [{"type": "Ready", "status": "True", "reason": "GroupReady", "message": "all ready"},
+                {"type": "Degraded", "status": "False", "reason": "AsExpected", "message": ""}]
+    newest = {"metadata": {"name": "ds", "resourceVersion": "42"},
+              "status": {"phase": "Starting", "nodes": "0/1", "kopf": {"progress": {}},
+                         "conditions": mine_then + [theirs]}}
+    ours = {"phase": "Running", "readyNodes": 1, "conditions": mine_now + [{**theirs, "message": "round 28"}]}
+    patch = Patch(fns=[StatusUpdate(ours)])
+    ops = patch.as_json_patch(newest)
+    assert all(op["path"].startswith("/status/") for op in ops)
+    sent = [{"op": "test", "path": "/metadata/resourceVersion", "value": "42"}] + ops  # as kopf sends it
+    written = jsonpatch.apply_patch(newest, sent)
+    assert written["status"] == {"phase": "Running", "readyNodes": 1, "kopf": {"progress": {}},
+                                 "conditions": mine_now + [theirs]}  # `nodes` is no longer ours to show
+    newer = {**newest, "metadata": {"name": "ds", "resourceVersion": "43"}}
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch(newer, sent)  # another writer got in between: none of it is written
+    fresh = {"metadata": {"name": "ds"}}  # no status at all yet
+    StatusUpdate({"phase": "Pending", "conditions": mine_now})(fresh)
+    assert fresh == {"metadata": {"name": "ds"}, "status": {"phase": "Pending", "conditions": mine_now}}
