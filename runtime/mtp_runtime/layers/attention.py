@@ -31,6 +31,7 @@ class AttentionMetadata:
     block_size: int
     _sequences: list | None = field(default=None, init=False, repr=False, compare=False)
     _decode_batch: "DecodeBatch | None | bool" = field(default=False, init=False, repr=False, compare=False)
+    _prompt_batch: "PromptBatch | None | bool" = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         num_seqs = len(self.context_lens)
@@ -62,22 +63,30 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.context_lens)
 
-    def sequences(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-        """For each sequence: (its rows in the flattened batch, positions of its new tokens [n],
-        cache slots of its whole context [context_len])."""
+    def sequences(self, skip: "PromptBatch | None" = None) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """For each sequence (but those of `skip`): (its rows in the flattened batch, positions of its
+        new tokens [n], cache slots of its whole context [context_len])."""
         # Built once per forward and shared by every layer (the metadata does not change in between).
         if self._sequences is None:
             self._sequences = list(self._build_sequences())
-        return iter(self._sequences)
+        skipped = skip.seqs if skip is not None else ()
+        return (item for i, *item in self._sequences if i not in skipped)
 
-    def _build_sequences(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    def _build_sequences(self) -> Iterator[tuple[int, slice, torch.Tensor, torch.Tensor]]:
         device = self.slot_mapping.device
         for i, ctx in enumerate(self.context_lens):
             start, end = self.query_start_loc[i], self.query_start_loc[i + 1]
             if start == end:
                 continue
             positions = torch.arange(ctx - (end - start), ctx, device=device)
-            yield slice(start, end), positions, self.context_slots(i, device)
+            yield i, slice(start, end), positions, self.context_slots(i, device)
+
+    def prompt_batch(self) -> "PromptBatch | None":
+        """The sequences that bring their whole context in this step, as one padded batch
+        (PromptBatch.build says which), else None. Built once per forward and shared by every layer."""
+        if self._prompt_batch is False:
+            self._prompt_batch = PromptBatch.build(self)
+        return self._prompt_batch
 
     def decode_batch(self) -> "DecodeBatch | None":
         """The step as a padded batch (DecodeBatch.build says when), else None. Built once per forward
@@ -221,10 +230,99 @@ class DecodeBatch:
         """scores [B, n, heads, L] (grouped: [B, Hk, n, g, L]) -> probabilities, blocked keys at
         zero; float32 statistics whatever the working dtype."""
         blocked = self.blocked.view(self.num_seqs, 1, self.n, 1, self.num_keys) if grouped else self.blocked
-        scores = scores.masked_fill(blocked, float("-inf"))
-        if scores.dtype == torch.float32:
-            return torch.softmax(scores, dim=-1)
-        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        return _softmax(scores.masked_fill(blocked, float("-inf")))
+
+
+@dataclass
+class PromptBatch:
+    """The sequences of a step that bring their whole context (a prompt prefilled in one chunk:
+    nothing of it was cached before), padded to n queries each, for steps that attend sequence by
+    sequence (prompt chunks too long for a DecodeBatch). Their keys are their own new tokens in order,
+    so one causal mask serves all of them: the padding (a sequence's last row repeated) comes after
+    every real query of its sequence, which therefore never sees it. Attending them together is one
+    pair of matmuls and one softmax per layer instead of a masked attention per sequence.
+
+    A sequence joins only if padding it to n at most doubles its attention work (n_i >= n / sqrt(2),
+    PADDED_WORK_LIMIT); the others, and those with cached context, attend on their own.
+    seqs: indices (in the step) of the sequences in the batch.
+    query_rows: [B * n] rows of the flattened batch, per sequence, padding repeating its last row.
+    out_rows: [R] rows of the flattened batch the batch computes; out_index: [R] their positions in
+        the padded [B * n].
+    blocked: [n, n] True where query i must not see key j (j > i).
+    """
+
+    seqs: frozenset[int]
+    query_rows: torch.Tensor
+    out_rows: torch.Tensor
+    out_index: torch.Tensor
+    blocked: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def n(self) -> int:
+        return self.blocked.shape[0]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "PromptBatch | None":
+        qsl = meta.query_start_loc
+        whole = {i: ctx for i, ctx in enumerate(meta.context_lens) if ctx > 1 and qsl[i + 1] - qsl[i] == ctx}
+        if not whole:
+            return None
+        n = max(whole.values())
+        joined = sorted(i for i, new in whole.items() if new * new * PADDED_WORK_LIMIT >= n * n)
+        rows: list[int] = []
+        out_rows: list[int] = []
+        out_index: list[int] = []
+        for b, i in enumerate(joined):
+            start, new = qsl[i], whole[i]
+            rows += list(range(start, start + new)) + [start + new - 1] * (n - new)
+            out_rows += range(start, start + new)
+            out_index += range(b * n, b * n + new)
+        device = meta.slot_mapping.device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        blocked = torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
+        return cls(frozenset(joined), as_tensor(rows), as_tensor(out_rows), as_tensor(out_index), blocked)
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Flattened [T, *shape] -> [B, n, *shape]."""
+        return x.index_select(0, self.query_rows).view(self.num_seqs, self.n, *x.shape[1:])
+
+    def scatter(self, out: torch.Tensor, padded: torch.Tensor) -> None:
+        """Write the real rows of padded [B, n, *shape] into the flattened `out` [T, *shape]."""
+        flat = padded.reshape(self.num_seqs * self.n, *padded.shape[2:])
+        out.index_copy_(0, self.out_rows, flat.index_select(0, self.out_index).to(out.dtype))
+
+
+def attend_prompts_shared(batch: PromptBatch, q: torch.Tensor, kv: torch.Tensor, value_dim: int,
+                          scale: float) -> torch.Tensor:
+    """One key shared by every head (MLA's latent): q [T, H, D] and kv [T, D] (the step's rows,
+    flattened) -> [B, n, H, value_dim] (padded; PromptBatch.scatter keeps the real rows)."""
+    b, n, heads = batch.num_seqs, batch.n, q.shape[1]
+    keys = batch.padded(kv)  # [B, n, D]
+    scores = torch.bmm(batch.padded(q).view(b, n * heads, q.shape[-1]), keys.transpose(1, 2))
+    scores = scores.mul_(scale).view(b, n, heads, n).masked_fill_(batch.blocked[None, :, None, :], float("-inf"))
+    probs = _softmax(scores).view(b, n * heads, n)
+    return torch.bmm(probs, keys[..., :value_dim]).view(b, n, heads, value_dim)
+
+
+def attend_prompts(batch: PromptBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """q [T, H, D], k [T, Hk, D], v [T, Hk, Dv] (the step's rows, flattened; Hk divides H)
+    -> [B, n, H, Dv] (padded)."""
+    qp, kp, vp = (batch.padded(x).transpose(1, 2) for x in (q, k, v))  # [B, heads, n, D]
+    out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension with float32 statistics whatever the working dtype."""
+    if scores.dtype == torch.float32:
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
 
 
 def attend_decode_batch(batch: DecodeBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

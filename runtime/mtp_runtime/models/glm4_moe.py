@@ -10,8 +10,8 @@ from torch import nn
 from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
 from mtp_runtime.kernels import cpu_gemm
-from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, attend, attend_decode_batch, causal_mask,
-                                         gather_cache, query_rows, write_cache)
+from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, attend, attend_decode_batch,
+                                         attend_prompts, causal_mask, gather_cache, query_rows, write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.layers.rotary_embedding import apply_rope_halves
@@ -85,7 +85,11 @@ class GQAttention(nn.Module):
             out = attend_decode_batch(batch, q, batch.keys(cache["k"]), batch.keys(cache["v"]), self.scale)
             return self.o_proj(out.flatten(-2))
         out = torch.empty_like(q)
-        for rows, positions, slots in meta.sequences():
+        prompts = meta.prompt_batch()  # whole prompts together
+        if prompts is not None:
+            keys, values = gather_cache(cache["k"], meta.slot_mapping), gather_cache(cache["v"], meta.slot_mapping)
+            prompts.scatter(out, attend_prompts(prompts, q, keys.to(q.dtype), values.to(q.dtype), self.scale))
+        for rows, positions, slots in meta.sequences(skip=prompts):
             keys, values = gather_cache(cache["k"], slots), gather_cache(cache["v"], slots)
             # A single new token (decode) sees its whole context: no mask to build or apply.
             allowed = None if positions.shape[0] == 1 else causal_mask(positions, keys.shape[0])

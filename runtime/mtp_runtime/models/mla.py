@@ -17,7 +17,7 @@ from mtp_runtime.config import ModelConfig
 from mtp_runtime.distributed import ParallelState, get_parallel_state
 from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.attention import (AttentionMetadata, RowSelection, attend, attend_decode_batch_cached,
-                                         causal_mask, gather_cache, query_rows, write_cache)
+                                         attend_prompts_shared, causal_mask, gather_cache, query_rows, write_cache)
 from mtp_runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, fuse_linears
 from mtp_runtime.layers.norm import RMSNorm
 from mtp_runtime.models.graph import contiguous_copy
@@ -140,7 +140,12 @@ class MLAttention(nn.Module):
     def _attend_per_sequence(self, q: torch.Tensor, cache: dict[str, torch.Tensor], meta: AttentionMetadata,
                              index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:
         out = q.new_empty(q.shape[0], self.num_heads, self.kv_rank)
-        for rows, positions, slots in meta.sequences():
+        # Whole prompts together (V3.2's indexer picks keys per sequence: not there).
+        prompts = meta.prompt_batch() if self.indexer is None else None
+        if prompts is not None:
+            keys = gather_cache(cache["latent"], meta.slot_mapping)  # this step's latents, as the cache holds them
+            prompts.scatter(out, attend_prompts_shared(prompts, q, keys.to(q.dtype), self.kv_rank, self.scale))
+        for rows, positions, slots in meta.sequences(skip=prompts):
             keys = gather_cache(cache["latent"], slots).unsqueeze(1)  # [L, 1, r + rope]
             # A single new token (decode) sees its whole context: no mask to build or apply.
             allowed = None if self.indexer is None and positions.shape[0] == 1 else \

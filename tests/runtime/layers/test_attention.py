@@ -8,7 +8,7 @@ import torch
 from mtp_runtime.kernels import cpu_gemm
 from mtp_runtime.layers.attention import (DECODE_MAX_NEW, AttentionMetadata, RowSelection, attend,
                                          attend_decode_batch, attend_decode_batch_cached, attend_decode_batch_shared,
-                                         causal_mask, gather_cache, write_cache)
+                                         attend_prompts, attend_prompts_shared, causal_mask, gather_cache, write_cache)
 
 fused_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU kernels need x86-64 with AVX2 "
                                   "and a C++ compiler")
@@ -216,3 +216,55 @@ def test_the_fused_kernel_refuses_indices_outside_its_tables_and_cache():
     # a block past the query's last position is never read, so it need not exist
     out = call(q, cache, torch.tensor([[0, 99]]), torch.tensor([[1]]), 8, 1.0)
     assert out.shape == (1, 1, 2, 8) and torch.equal(out, torch.zeros_like(out))
+
+
+def _disjoint_step(news, ctxs, block_size=4):
+    """A step of sequences with these new tokens and contexts, each in blocks of its own."""
+    qsl, tables, slots = [0], [], []
+    for i, (new, ctx) in enumerate(zip(news, ctxs)):
+        qsl.append(qsl[-1] + new)
+        tables.append(list(range(i * 50, i * 50 + -(-ctx // block_size))))
+        slots += [tables[i][p // block_size] * block_size + p % block_size for p in range(ctx - new, ctx)]
+    return AttentionMetadata(qsl, ctxs, tables, torch.tensor(slots), block_size)
+
+
+def test_prompt_batch_takes_whole_prompts_whose_padding_at_most_doubles_their_work():
+    # whole prompts of 40, 30 and 20 tokens, a later chunk (20 of 60), a decode, a one-token prompt
+    meta = _disjoint_step([40, 20, 30, 1, 20, 1], [40, 60, 30, 70, 20, 1])
+    batch = meta.prompt_batch()
+    assert batch.seqs == {0, 2} and batch.n == 40  # 30 * 30 * 2 >= 40 * 40 > 20 * 20 * 2
+    assert batch.query_rows.tolist() == list(range(40)) + list(range(60, 90)) + [89] * 10
+    assert batch.out_rows.tolist() == list(range(40)) + list(range(60, 90))
+    assert batch.out_index.tolist() == list(range(40)) + list(range(40, 70))
+    assert meta.prompt_batch() is batch  # built once per forward
+    rest = [rows for rows, _, _ in meta.sequences(skip=batch)]
+    assert rest == [slice(40, 60), slice(90, 91), slice(91, 111), slice(111, 112)]
+    assert _disjoint_step([3, 1], [9, 7]).prompt_batch() is None  # nothing prefilled whole: nothing to batch
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_prompt_batch_attention_matches_per_sequence_attention(shared):
+    meta = _disjoint_step([40, 20, 30, 1, 29, 33], [40, 60, 30, 70, 29, 33])
+    batch = meta.prompt_batch()
+    assert batch.seqs == {0, 2, 4, 5}  # unequal lengths: padded to 40
+    gen = torch.Generator().manual_seed(3)
+    tokens = meta.query_start_loc[-1]
+    q = torch.randn(tokens, 4, 10, generator=gen)
+    if shared:  # MLA: one latent per token, its first 6 values the value
+        cache = torch.randn(300, 4, 1, 10, generator=gen)
+        latent = torch.randn(tokens, 1, 10, generator=gen)
+        write_cache(cache, latent, meta.slot_mapping)
+        k_cache, v_cache = cache, cache[..., :6]
+        got = attend_prompts_shared(batch, q, latent[:, 0], 6, 0.3)
+    else:  # GQA: 4 query heads over 2 kv heads
+        k_cache, v_cache = torch.randn(300, 4, 2, 10, generator=gen), torch.randn(300, 4, 2, 6, generator=gen)
+        got = attend_prompts(batch, q, gather_cache(k_cache, meta.slot_mapping),
+                             gather_cache(v_cache, meta.slot_mapping), 0.3)
+    assert got.shape == (4, 40, 4, 6)
+    expected = _per_sequence(meta, q, k_cache, v_cache)
+    out = torch.full_like(expected, float("nan"))
+    batch.scatter(out, got)
+    rows = batch.out_rows
+    torch.testing.assert_close(out[rows], expected[rows], atol=1e-6, rtol=1e-5)
+    others = [r for r in range(tokens) if r not in set(rows.tolist())]
+    assert torch.isnan(out[others]).all()  # the others are left for the per-sequence loop
