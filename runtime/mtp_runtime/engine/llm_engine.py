@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from mtp_runtime.engine.config import EngineConfig
 from mtp_runtime.engine.detokenizer import IncrementalText
+from mtp_runtime.engine.host_memory import keep_freed_host_memory
 from mtp_runtime.engine.model_runner import ModelRunner
 from mtp_runtime.engine.scheduler import ScheduledBatch, Scheduler
 from mtp_runtime.engine.sequence import Sequence
@@ -126,6 +127,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, policy=None):
         """policy: what picks each step's k (engine/spec_policy.py); default: from the config."""
         self.config = config
+        keep_freed_host_memory()
         self.policy = policy or make_policy(config.num_speculative_tokens, config.speculative_adaptive,
                                             config.seed)
         self.runner = ModelRunner(config)
