@@ -7,9 +7,9 @@ Handlers only gather state (kopf indices, the per-object memo) and call
 `reconcile.reconcile`; kopf applies the status patch itself (status
 subresource): a merge patch of our fields, or, when our conditions change
 (a list other controllers write too), one JSON patch of the whole status
-tested against the resourceVersion of the newest copy (status.StatusUpdate). The same reconcile runs on create, on spec update, on operator
-resume and on a timer (level-based: Job finished, pods ready, a rank
-restarted). A second timer scrapes rank 0's metrics every
+tested against the resourceVersion of the newest copy (status.StatusUpdate).
+The same reconcile runs on create, on spec update, on operator resume and on
+a timer (level-based: Job finished, pods ready, a rank restarted). A second timer scrapes rank 0's metrics every
 MTP_OPERATOR_METRICS_INTERVAL seconds.
 
 What the operator writes on an MtpDeployment: `status` (via the status
