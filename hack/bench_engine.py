@@ -24,8 +24,20 @@ Each system runs in a process of its own, as a deployment runs one engine per
 process (engines sharing one process share the compiler's caches, the
 allocator and the CPU caches, and their timings drifted with the order they
 were built in). The processes start together and then take turns: one
-measures while the others wait, idle, for their next turn. Figures are
-medians over the repeats; a speed-up is the median of the ratios within each repeat, and the
+measures while the others wait, idle, for their next turn. With
+--in-process every system is built in this process instead: with the decode
+steps compiled ahead of time (the default of graph mode) no compiler state is
+left to drift, two engines of the same settings ran within 0.1% of each
+other (k = 3, batch 1, 4 rounds), and the ratios' spread over the repeats
+narrowed (adaptive over k = 0 at batch 1: 1.08-1.09 within a run, where runs
+with a process per system spread 0.85-1.28). The turns are one
+batch long: each batch of prompts is run by every system before the next
+batch (the system that goes first rotates), so a slow spell of the machine,
+which on shared cores comes and goes within a second, lands on every system
+alike instead of on whichever one was running a whole pass of the prompts
+then. A repeat is one pass of every system over the prompts; its time per
+system is the sum of that system's batches. Figures are medians over the
+repeats; a speed-up is the median of the ratios within each repeat, and the
 adaptive rows of the targets show the lowest and highest of those ratios beside it.
 """
 
@@ -85,6 +97,9 @@ def parse_args() -> argparse.Namespace:
                    help="runs per point: medians of the figures, and of the ratios within each run")
     p.add_argument("--threads", type=int, default=1, help="torch threads, the same for every system")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--in-process", action="store_true",
+                   help="every system in this process, built one after another (module docstring); the "
+                        "turns are the same")
     p.add_argument("--enable-graph", action="store_true", help="our engine in graph mode (torch.compile)")
     p.add_argument("--adaptive", type=int, default=0, metavar="K",
                    help="also run adaptive speculative depth with k in 0..K (0: not)")
@@ -168,24 +183,62 @@ class TransformersSystem:
         return {"token_ids": outs}
 
 
+def build_system(kind: str, args: tuple):
+    return TransformersSystem(*args) if kind == "transformers" else EngineSystem(*args)
+
+
+class LocalSystem:
+    """A system in this process (--in-process), with IsolatedSystem's calls."""
+
+    def __init__(self, name: str, kind: str, args: tuple):
+        self.name = name
+        self.system = build_system(kind, args)
+        self.compile_s = getattr(self.system, "compile_s", 0.0)
+        self.outs: list = []
+
+    def wait_ready(self) -> None:
+        pass
+
+    def run(self, groups: list, max_tokens: int) -> float:
+        start = time.perf_counter()
+        for prompts in groups:
+            self.outs += self.system.run(prompts, max_tokens)
+        return time.perf_counter() - start
+
+    def take_point(self, seconds: float, max_tokens: int) -> dict:
+        outs, self.outs = self.outs, []
+        return self.system.point(outs, seconds, max_tokens)
+
+    def timed_run(self, groups: list, max_tokens: int) -> tuple[float, dict]:
+        seconds = self.run(groups, max_tokens)
+        return seconds, self.take_point(seconds, max_tokens)
+
+    def close(self) -> None:
+        pass
+
+
 def _serve_system(conn, kind: str, args: tuple, threads: int) -> None:
     """Worker process: build one system, then run what the driver sends until it sends None."""
     torch.set_num_threads(threads)
     try:
-        system = TransformersSystem(*args) if kind == "transformers" else EngineSystem(*args)
+        system = build_system(kind, args)
     except BaseException as exc:  # reported by the driver, which stops the run
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ok", getattr(system, "compile_s", 0.0)))
+    outs: list = []  # the outputs since the last point
     while (job := conn.recv()) is not None:
-        groups, max_tokens = job
         try:
-            outs = []
-            start = time.perf_counter()
-            for prompts in groups:  # one batch after the other, as a client with this many slots sends them
-                outs += system.run(prompts, max_tokens)
-            seconds = time.perf_counter() - start
-            conn.send(("ok", (seconds, system.point(outs, seconds, max_tokens))))
+            if job[0] == "run":  # ("run", groups, max_tokens) -> the seconds they took
+                _, groups, max_tokens = job
+                start = time.perf_counter()
+                for prompts in groups:  # one batch after the other, as a client with this many slots sends them
+                    outs += system.run(prompts, max_tokens)
+                conn.send(("ok", time.perf_counter() - start))
+            else:  # ("point", seconds, max_tokens) -> the figures of the runs since the last point
+                _, seconds, max_tokens = job
+                conn.send(("ok", system.point(outs, seconds, max_tokens)))
+                outs = []
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
             return
@@ -217,11 +270,22 @@ class IsolatedSystem:
     def wait_ready(self) -> None:
         self.compile_s = self._receive("starting")
 
-    def timed_run(self, groups: list, max_tokens: int) -> tuple[float, dict]:
+    def run(self, groups: list, max_tokens: int) -> float:
         """Generate for each group of prompts in turn (each group one batch); the seconds of all."""
-        self.conn.send((groups, max_tokens))
+        self.conn.send(("run", groups, max_tokens))
         return self._receive(f"generating for {sum(len(g) for g in groups)} prompt(s) in batches of "
                              f"{max(len(g) for g in groups)}")
+
+    def take_point(self, seconds: float, max_tokens: int) -> dict:
+        """The figures (acceptance, chosen k, outputs) of every run since the last point, which took
+        `seconds` in all."""
+        self.conn.send(("point", seconds, max_tokens))
+        return self._receive("reporting its figures")
+
+    def timed_run(self, groups: list, max_tokens: int) -> tuple[float, dict]:
+        """`run`, then the point of that run alone."""
+        seconds = self.run(groups, max_tokens)
+        return seconds, self.take_point(seconds, max_tokens)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a worker that already exited has closed its end
@@ -239,20 +303,26 @@ def batch_groups(prompts: list, batch: int) -> list[list]:
 
 def measure(systems: dict, prompts, batches, max_tokens: int, repeats: int, waves: int = 1) -> dict:
     """Median of `repeats` wall times per system and batch size, each time over the prompts in
-    batches of that size: all of them, or at least `waves` batches' worth for every size. Systems
-    take turns within each repeat, so load changes on the machine hit all of them alike."""
+    batches of that size: all of them, or at least `waves` batches' worth for every size. Within a
+    repeat the systems take turns batch by batch, the first of each turn rotating (module
+    docstring), so load changes on the machine hit all of them alike."""
     for system in systems.values():
         system.timed_run([prompts[:2]], 8)  # warm-up
+    names = list(systems)
     results = {name: {} for name in systems}
     for b in batches:
         used = prompts[:max(max(batches), waves * b)]
         groups = batch_groups(used, b)
         samples = {name: [] for name in systems}
-        for _ in range(repeats):
+        for repeat in range(repeats):
+            seconds = dict.fromkeys(names, 0.0)
+            for i, group in enumerate(groups):
+                first = (repeat * len(groups) + i) % len(names)
+                for name in names[first:] + names[:first]:
+                    seconds[name] += systems[name].run([group], max_tokens)
             for name, system in systems.items():
-                seconds, point = system.timed_run(groups, max_tokens)
-                samples[name].append(seconds)
-                results[name][b] = point
+                samples[name].append(seconds[name])
+                results[name][b] = system.take_point(seconds[name], max_tokens)
         for name in systems:
             seconds = statistics.median(samples[name])
             # ms / output token: the time a sequence waits for each of its tokens, batch after batch
@@ -409,7 +479,10 @@ def main() -> None:
         if args.adaptive:
             specs[f"adaptive K={args.adaptive}"] = ("engine", (model_dir, args.adaptive, max_model_len, max(batches),
                                                                args.enable_graph, True))
-        runners = {name: IsolatedSystem(name, kind, sargs, args.threads) for name, (kind, sargs) in specs.items()}
+        if args.in_process:
+            runners = {name: LocalSystem(name, kind, sargs) for name, (kind, sargs) in specs.items()}
+        else:
+            runners = {name: IsolatedSystem(name, kind, sargs, args.threads) for name, (kind, sargs) in specs.items()}
         try:
             for runner in runners.values():
                 runner.wait_ready()

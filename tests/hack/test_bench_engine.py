@@ -81,6 +81,27 @@ def test_a_system_that_fails_in_its_process_stops_the_run_naming_it(monkeypatch,
     assert not system.process.is_alive()
 
 
+class FakeSystem:
+    """Runs nothing: records what it was asked to run, in the order of every system's calls."""
+
+    def __init__(self, name, log, seconds_per_prompt=0.5):
+        self.name, self.log, self.seconds_per_prompt = name, log, seconds_per_prompt
+        self.outs = []
+
+    def run(self, groups, max_tokens):
+        self.log.append((self.name, [len(g) for g in groups]))
+        self.outs += [p for g in groups for p in g]
+        return self.seconds_per_prompt * sum(len(g) for g in groups)
+
+    def take_point(self, seconds, max_tokens):
+        point, self.outs = {"token_ids": self.outs, "seconds_seen": seconds}, []
+        return point
+
+    def timed_run(self, groups, max_tokens):
+        seconds = self.run(groups, max_tokens)
+        return seconds, self.take_point(seconds, max_tokens)
+
+
 def test_every_batch_size_runs_every_prompt():
     bench = load_bench()
     prompts = [[i] for i in range(16)]
@@ -88,20 +109,27 @@ def test_every_batch_size_runs_every_prompt():
     assert [len(g) for g in bench.batch_groups(prompts, 4)] == [4] * 4
     assert [len(g) for g in bench.batch_groups(prompts[:10], 4)] == [4, 4, 2]
 
-    class Fake:
-        def __init__(self):
-            self.jobs = []
-
-        def timed_run(self, groups, max_tokens):
-            self.jobs.append((len(groups), sum(len(g) for g in groups)))
-            return 0.5 * len(groups), {"token_ids": [p for g in groups for p in g]}
-
-    fake = Fake()
+    log = []
+    fake = FakeSystem("k=0", log, seconds_per_prompt=0.5)
     results = bench.measure({"k=0": fake}, prompts, [1, 16], max_tokens=10, repeats=3)
-    assert fake.jobs == [(1, 2)] + [(16, 16)] * 3 + [(1, 16)] * 3  # warm-up, then all 16 prompts each time
+    # warm-up, then all 16 prompts each repeat: 16 batches of 1, or one batch of 16
+    assert [sizes for _, sizes in log] == [[2]] + [[1]] * 48 + [[16]] * 3
     assert results["k=0"][1]["tokens_per_s"] == 16 * 10 / 8.0 and results["k=0"][1]["tpot_ms"] == 1e3 * 8.0 / 160
-    assert results["k=0"][16]["tokens_per_s"] == 16 * 10 / 0.5 and results["k=0"][16]["tpot_ms"] == 1e3 * 0.5 / 10
-    assert results["k=0"][1]["token_ids"] == prompts
+    assert results["k=0"][16]["tokens_per_s"] == 16 * 10 / 8.0 and results["k=0"][16]["tpot_ms"] == 1e3 * 8.0 / 10
+    assert results["k=0"][1]["token_ids"] == prompts  # a repeat's point covers all of its batches
+    assert results["k=0"][1]["seconds_seen"] == 8.0 and results["k=0"][1]["seconds_samples"] == [8.0] * 3
+
+
+def test_systems_take_turns_batch_by_batch_and_the_first_rotates():
+    bench = load_bench()
+    prompts = [[i] for i in range(4)]
+    log = []
+    systems = {name: FakeSystem(name, log) for name in ("a", "b", "c")}
+    bench.measure(systems, prompts, [2], max_tokens=1, repeats=2, waves=2)
+    turns = [name for name, _ in log[3:]]  # after each system's warm-up
+    # repeat 1: batch 1 a b c, batch 2 b c a; repeat 2: c a b, then a b c
+    assert turns == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert all(sizes == [2] for _, sizes in log[3:])  # one batch per turn
 
 
 def test_an_existing_checkpoint_gives_its_arch_or_a_clear_error(tmp_path):

@@ -219,6 +219,23 @@ class LLMEngine:
         return self.policy_warm_up_s
 
     def _time_dummy_steps(self, reps: int) -> None:
+        # The depths take turns within each repeat, so a change in the machine's load between them
+        # (other work on its cores) hits every k alike instead of skewing their ratios. Each turn is two
+        # steps, and the second is timed: the first runs cold after another depth's step, as the
+        # policy's own probes do (engine/spec_policy.py), and decoding runs one depth step after step.
+        for b in bucket_sizes(self.config.max_seqs_per_batch):
+            for rep in range(reps + 1):
+                for k in self.runner.step_depths():
+                    for turn in range(2):
+                        batch = self._dummy_batch(b, k, 2 * rep + turn)
+                        t0 = time.perf_counter()
+                        self.runner.execute(batch)
+                        if rep and turn:  # the first repeat of each shape may pay one-off costs
+                            self.policy.record_step(k, b, time.perf_counter() - t0)
+
+    def _dummy_batch(self, b: int, k: int, variant: int) -> ScheduledBatch:
+        """A decode step of b sequences at depth k with 48 cached tokens each, in blocks no sequence
+        owns yet (a slot is written before it is read); `variant` varies its tokens."""
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         cached = 48
         width = -(-(cached + 1 + 2 * self.config.num_speculative_tokens) // self.config.block_size)
@@ -226,28 +243,15 @@ class LLMEngine:
         # one token repeated everywhere would reach the fewest, making deep steps of large batches look
         # cheap.
         vocab = self.runner.vocab_size
-
-        def tokens(i: int, n: int) -> list[int]:
-            return [(7 + 131 * (i * 64 + j)) % (vocab - 3) + 3 for j in range(n)]
-
-        # The depths take turns within each repeat, so a change in the machine's load between them
-        # (other work on its cores) hits every k alike instead of skewing their ratios.
-        for b in bucket_sizes(self.config.max_seqs_per_batch):
-            for rep in range(reps + 1):
-                for k in self.runner.step_depths():
-                    seqs = []
-                    for i in range(b):
-                        row = tokens(i + rep * b, cached + 1 + k)
-                        seq = Sequence(f"policy-warm-up-{i}", row[:cached + 1], params, cached + 2)
-                        seq.block_table = [(i * width + j) % self.runner.num_blocks for j in range(width)]
-                        seq.num_cached_tokens = cached
-                        seq.draft_token_ids, seq.num_real_drafts = row[cached + 1:], k
-                        seqs.append(seq)
-                    batch = ScheduledBatch(seqs, [1] * b, [k] * b, [True] * b, num_speculative_tokens=k)
-                    t0 = time.perf_counter()
-                    self.runner.execute(batch)
-                    if rep:  # the first run of each shape may pay one-off costs
-                        self.policy.record_step(k, b, time.perf_counter() - t0)
+        seqs = []
+        for i in range(b):
+            row = [(7 + 131 * ((i + variant * b) * 64 + j)) % (vocab - 3) + 3 for j in range(cached + 1 + k)]
+            seq = Sequence(f"policy-warm-up-{i}", row[:cached + 1], params, cached + 2)
+            seq.block_table = [(i * width + j) % self.runner.num_blocks for j in range(width)]
+            seq.num_cached_tokens = cached
+            seq.draft_token_ids, seq.num_real_drafts = row[cached + 1:], k
+            seqs.append(seq)
+        return ScheduledBatch(seqs, [1] * b, [k] * b, [True] * b, num_speculative_tokens=k)
 
     def _choose_depth(self, batch: ScheduledBatch) -> list[bool]:
         """Ask the policy for this step's k and cut every verifying sequence's drafts to it; returns
@@ -282,6 +286,7 @@ class LLMEngine:
         outputs = [RequestOutput(seq, self.tokenizer, []) for seq in aborted]
         if not self._policy_seeded:
             self.seed_policy()
+        step_start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not len(batch):
             self.last_step = None
@@ -296,9 +301,6 @@ class LLMEngine:
         self.last_step = StepRecord(k, now - start, len(batch))
         if self.policy.adaptive:
             self.policy.record_verifies([(real, a) for real, a in zip(batch.num_real_drafts, accepted) if real])
-            if all(decoding) and all(c == 1 for c in batch.num_chunk_tokens):
-                self.policy.record_step(k, len(batch), now - start)
-            self.policy.end_step()
         self.scheduler.update(batch, new_tokens, accepted, now)
         for seq, n_before, sampled in zip(batch.seqs, before, new_tokens):
             if not sampled:
@@ -309,6 +311,14 @@ class LLMEngine:
             outputs.append(RequestOutput(seq, self.tokenizer, added, text))
             if seq.is_finished:
                 self._requests.pop(seq.request_id, None)
+        if self.policy.adaptive:
+            # The policy is told the whole step's time, its host work included (scheduling, the
+            # sequences' update, the outputs): that work is paid once a step whatever its k, so a deeper
+            # k, which takes fewer steps for the same tokens, pays it fewer times. At batch 1 a
+            # graph-mode step is about 0.4-1 ms and the host work about 50 us of it.
+            if all(decoding) and all(c == 1 for c in batch.num_chunk_tokens):
+                self.policy.record_step(k, len(batch), time.perf_counter() - step_start)
+            self.policy.end_step()
         return outputs
 
     def _check_stop_strings(self, seq: Sequence) -> str:

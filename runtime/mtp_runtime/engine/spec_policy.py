@@ -22,14 +22,23 @@ depth's unit cost, by `probe_cost_smoothing`. A k's score must beat the current 
 by `switch_margin` to replace it (noise in the timings would otherwise flip
 k every step, and each rise pays for drafts the previous step did not make).
 
+Only a step that follows a step at the same depth is timed. Each depth's
+step is code and data of its own (in graph mode, a compiled package per k),
+and the first step after one at another depth runs cold: on the bench preset
+at batch 4, a k = 0 step right after a k = 3 step took 0.85-0.93 ms against
+0.65 ms after another k = 0 step. Timed, those cold steps made the depths
+not in use (known only from probes and the start-up's dummy steps) look
+dearer than they run, the cheapest the most, and the policy speculated where
+k = 0 was faster.
+
 Exploration: every `probe_interval` steps (jittered, from `seed`, so runs
 repeat) the policy runs another k, in turn, so that every depth keeps being
 measured: when the draft turns bad the policy falls to k = 0, and the probes
-bring speculation back once it agrees again. A probe of a higher k lasts
-`probe_steps` (2) steps because a step at a higher k than the one before
-verifies filler for the drafts the earlier step did not make (engine:
-`Sequence.num_real_drafts`; only real drafts are counted as evidence); a
-probe of a lower k only refreshes its cost, lasts one step and comes every
+bring speculation back once it agrees again. A probe lasts `probe_steps` (2)
+steps: its first step runs cold and is not timed, and at a higher k than the
+one before it verifies filler for the drafts the earlier step did not make
+(engine: `Sequence.num_real_drafts`; only real drafts are counted as
+evidence). A probe of a lower k only refreshes its cost and comes every
 fourth probe time.
 
 A closed batch (`choose(..., draining=...)`): when no request waits and none
@@ -139,6 +148,9 @@ class AdaptivePolicy:
     _until_probe: int = field(init=False, default=0)
     _probe_turn: int = field(init=False, default=0)
     _drain_wait: int = field(init=False, default=0)
+    # the k of the step chosen last and of the one before it (None: no step chosen yet)
+    _step_k: int | None = field(init=False, default=None)
+    _previous_step_k: int | None = field(init=False, default=None)
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -153,8 +165,11 @@ class AdaptivePolicy:
                              f"must lie in (0, 1]")
         if self.sequence_prior_weight <= 0:
             raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} must be > 0")
-        if self.probe_interval < 1 or self.probe_steps < 1 or self.drain_interval < 1:
-            raise ValueError("AdaptivePolicy: probe_interval, probe_steps and drain_interval must be >= 1")
+        if self.probe_interval < 1 or self.drain_interval < 1:
+            raise ValueError("AdaptivePolicy: probe_interval and drain_interval must be >= 1")
+        if self.probe_steps < 2:
+            raise ValueError(f"AdaptivePolicy: probe_steps={self.probe_steps} must be >= 2 (a probe's first "
+                             f"step runs cold and is not timed)")
         self._tries = [0.0] * self.max_k
         self._hits = [0.0] * self.max_k
         self._long_tries = [0.0] * self.max_k
@@ -194,8 +209,12 @@ class AdaptivePolicy:
 
     def record_step(self, k: int, batch_size: int, seconds: float) -> None:
         """The wall time of a step of `batch_size` decoding sequences at depth k (decode-only
-        steps: a prompt chunk in the step would charge its prefill to k)."""
+        steps: a prompt chunk in the step would charge its prefill to k), the step `choose` gave k
+        last. Not timed when the step before it ran another depth (module docstring); steps
+        recorded without `choose` (the start-up's) are timed as given."""
         if not 0 <= k <= self.max_k or batch_size < 1 or seconds <= 0:
+            return
+        if self._previous_step_k is not None and self._previous_step_k != k:
             return
         bucket = batch_bucket(batch_size)
         key = (k, bucket)
@@ -346,6 +365,11 @@ class AdaptivePolicy:
         position, accepted per position) of every running sequence, or a function that returns them
         (called only on the steps that revise the choice, with batch_size taken for their number);
         with two or more, the k that finishes them soonest is chosen (module docstring)."""
+        k = self._choose(batch_size, draining)
+        self._previous_step_k, self._step_k = self._step_k, k
+        return k
+
+    def _choose(self, batch_size: int, draining) -> int:
         if self._probe_left:
             self._probe_left -= 1
             return self._probe_k
@@ -383,7 +407,7 @@ class AdaptivePolicy:
         return self._current
 
     def _start_probe(self, k: int) -> int:
-        self._probe_k, self._probe_left = k, self.probe_steps - 1 if k > self._current else 0
+        self._probe_k, self._probe_left = k, self.probe_steps - 1
         return k
 
     def _next_probe_gap(self) -> int:

@@ -196,8 +196,8 @@ def test_probes_keep_every_depth_measured_and_runs_repeat_from_the_seed():
     assert set(chosen[100:]) == {0, 1, 2, 3}
     assert chosen == run_policy(AdaptivePolicy(3, seed=5, probe_interval=16), lambda step: 0.9, 600)
     assert chosen != run_policy(AdaptivePolicy(3, seed=6, probe_interval=16), lambda step: 0.9, 600)
-    # at the deepest k only the cost refreshes remain: a probe every fourth probe time
-    assert sum(k != 3 for k in chosen[100:]) <= 500 / 16 / 4 + 3
+    # at the deepest k only the cost refreshes remain: a probe of two steps every fourth probe time
+    assert sum(k != 3 for k in chosen[100:]) <= 2 * (500 / 16 / 4) + 3
 
 
 def test_unmeasured_depths_are_tried_first():
@@ -209,7 +209,7 @@ def test_unmeasured_depths_are_tried_first():
     assert policy.choose(1) == 2
 
 
-def test_probes_of_a_lower_k_take_one_step_and_of_a_higher_k_two():
+def test_probes_take_two_steps_and_of_a_lower_k_come_every_fourth_time():
     def cost(k, b):
         return 1.0 + 0.1 * k
 
@@ -226,9 +226,45 @@ def test_probes_of_a_lower_k_take_one_step_and_of_a_higher_k_two():
         i = j
     assert runs[0][0] == 1 and {k for k, _ in runs} == {0, 1, 2}
     runs = runs[:-1]  # the last may be cut short by the end of the window
-    assert all(n == 1 for k, n in runs if k == 0) and all(n == 2 for k, n in runs if k == 2)
+    assert all(n == 2 for k, n in runs if k != 1)  # the first step of a probe runs cold (not timed)
     assert sum(k == 2 for k, _ in runs) >= 3 * sum(k == 0 for k, _ in runs)  # lower k: every fourth probe
     assert policy.cost(0, 32) == 1.0  # the nearest measured bucket stands in for an unmeasured one
+
+
+def test_a_step_right_after_one_at_another_depth_is_not_timed():
+    """A depth's first step after a step at another depth runs cold (its code and data are not in the
+    caches): the engine measured a k = 0 step after a k = 3 step at 1.4x one after a k = 0 step. Timed,
+    the cold steps of probes made k = 0 look dearer than it runs, and the policy kept speculating."""
+    unit = {0: 1.0, 1: 1.7}  # p = 0.8: E = 1.8 tokens for 1.7 -> k = 1 (1.06 a unit) beats k = 0 (1.0)...
+    cold = 1.4  # ... unless k = 0's cold probe steps count: 1.8 / 1.7 against 1 / (1.4 * 1.0) would hold
+    policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=8, seed=3), lambda k, b: unit[k])
+    for _ in range(20):
+        for accepted in (1, 1, 1, 1, 0):
+            policy.record_verify(1, accepted)
+    previous, chosen = None, []
+    for _ in range(300):
+        k = policy.choose(4)
+        policy.record_step(k, 4, unit[k] * (cold if previous not in (None, k) else 1.0))
+        previous = k
+        chosen.append(k)
+    assert 0 in chosen[100:]  # k = 0 was probed ...
+    assert policy.cost(0, 4) == pytest.approx(1.0, rel=0.02)  # ... and its warm steps alone timed
+    assert policy.cost(1, 4) == pytest.approx(1.7, rel=0.02)
+
+
+def test_a_probe_s_step_counts_once_the_step_before_ran_its_depth():
+    # no evidence: p = 0.5, so k = 1 gives 1.5 tokens for 2.0 and k = 0 one for 1.0; a probe every 2 steps
+    policy = _seeded(AdaptivePolicy(1, probe_interval=2), lambda k, b: 1.0 + k)
+    assert policy.choose(1) == 0
+    policy.record_step(0, 1, 1.0)
+    assert policy.choose(1) == 1  # first step of the probe: after a k = 0 step, not timed
+    policy.record_step(1, 1, 50.0)
+    assert policy.cost(1, 1) == 2.0
+    assert policy.choose(1) == 1  # second step: timed
+    policy.record_step(1, 1, 3.0)
+    assert policy.cost(1, 1) > 2.0
+    with pytest.raises(ValueError, match="probe_steps=1 must be >= 2"):
+        AdaptivePolicy(1, probe_steps=1)
 
 
 def test_fixed_policy_and_settings():
@@ -265,8 +301,9 @@ def test_probes_correct_a_start_up_estimate_of_a_depth_not_in_use():
     """The start-up's dummy steps said a k = 1 step costs 2.0, where real ones cost 1.6 (k = 0: 1.0 both).
     With p = 0.8 (E = 1.8 tokens) k = 1 looks worse (0.9 tokens a unit of time against 1.0) and is
     better (1.125). The policy starts at k = 0, whose steps set the load; a probe of k = 1 moves k = 1's
-    own cost, not the load, so two probes (16 steps apart) move it to k = 1. (When probes moved the
-    load, which the next k = 0 steps moved back, it took about 100 steps.)"""
+    own cost, not the load, so three probes (16 steps apart, the second step of each timed) move it to
+    k = 1. (When probes moved the load, which the next k = 0 steps moved back, it took about 100
+    steps.)"""
     seeded = {0: 1.0, 1: 2.0}
     real = {0: 1.0, 1: 1.6}
     policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16)
@@ -282,7 +319,7 @@ def test_probes_correct_a_start_up_estimate_of_a_depth_not_in_use():
         chosen.append(k)
     assert chosen[:10] == [0] * 10
     settled = next(i for i in range(len(chosen)) if chosen[i:i + 50].count(1) >= 45)
-    assert settled <= 40, chosen[:settled + 5]
+    assert settled <= 60, chosen[:settled + 5]
     assert chosen[-200:].count(1) >= 190
     assert policy.cost(1, 4) / policy.cost(0, 4) == pytest.approx(1.6, rel=0.03)
 
