@@ -286,7 +286,6 @@ class LLMEngine:
         outputs = [RequestOutput(seq, self.tokenizer, []) for seq in aborted]
         if not self._policy_seeded:
             self.seed_policy()
-        step_start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not len(batch):
             self.last_step = None
@@ -311,13 +310,13 @@ class LLMEngine:
             outputs.append(RequestOutput(seq, self.tokenizer, added, text))
             if seq.is_finished:
                 self._requests.pop(seq.request_id, None)
+                if self.policy.adaptive:
+                    self.policy.record_finished(seq.tried_per_position, seq.accepted_per_position)
         if self.policy.adaptive:
-            # The policy is told the whole step's time, its host work included (scheduling, the
-            # sequences' update, the outputs): that work is paid once a step whatever its k, so a deeper
-            # k, which takes fewer steps for the same tokens, pays it fewer times. At batch 1 a
-            # graph-mode step is about 0.4-1 ms and the host work about 50 us of it.
+            # The model step's time, as the start-up's dummy steps are timed (the host's scheduling,
+            # update and outputs, about 50 us a step at batch 1 whatever the k, are left out of both)
             if all(decoding) and all(c == 1 for c in batch.num_chunk_tokens):
-                self.policy.record_step(k, len(batch), time.perf_counter() - step_start)
+                self.policy.record_step(k, len(batch), now - start)
             self.policy.end_step()
         return outputs
 

@@ -53,11 +53,24 @@ towards the policy's long-run estimate by `sequence_prior_weight` verifies:
 the recent one, at the end of a batch, is its slowest sequences'), needs
 n_i(k) = R_i / E_i[k] more steps, and the time is the sum over the steps to
 come of c(k, b) at the number b of sequences still running.
+
+Sequences that have verified little are not all alike, though: prompts differ
+in how well the draft does on them, so a batch that starts with every
+sequence at the long-run estimate still ends with a tail of its slowest ones
+(bench preset, batch 4, 64 tokens each: at k = 2 a quarter of the steps ran
+with fewer than 4 sequences, at k = 0 none, which turned a tie in decoding
+speed into a 10% loss). So the policy keeps, for the last `spread_window`
+finished sequences, how far each one's expected tokens at each depth were
+from the long-run estimate (`record_finished`), and gives the running
+sequences, ranked by their own estimates, the quantiles of those ratios,
+each in proportion to how little evidence of its own it has. At k = 0 every
+ratio is 1 and the batch finishes together, as it does.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -97,6 +110,9 @@ class FixedPolicy:
     def record_verify(self, real_drafts: int, accepted: int) -> None:
         pass
 
+    def record_finished(self, tried: list[int], accepted: list[int]) -> None:
+        pass
+
     def end_step(self) -> None:
         pass
 
@@ -130,6 +146,7 @@ class AdaptivePolicy:
     sequence_prior_weight: float = 4.0
     long_decay: float = 0.995  # per step, for the long-run acceptance a closed batch's sequences start from
     drain_interval: int = 4  # a closed batch's choice is revised every this many steps
+    spread_window: int = 64  # finished sequences whose acceptance gives a closed batch's spread
     seed: int = 0
     adaptive = True
     # Decayed counts, stored scaled: a count is the stored value / its scale. Decaying every count each
@@ -152,6 +169,8 @@ class AdaptivePolicy:
     _step_k: int | None = field(init=False, default=None)
     _previous_step_k: int | None = field(init=False, default=None)
     _rng: random.Random = field(init=False)
+    # per finished sequence, its E[k] over the long-run estimate's, k = 0..max_k (`record_finished`)
+    _spread: deque = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_k, int) or self.max_k < 1:
@@ -174,8 +193,11 @@ class AdaptivePolicy:
         self._hits = [0.0] * self.max_k
         self._long_tries = [0.0] * self.max_k
         self._long_hits = [0.0] * self.max_k
+        if self.spread_window < 0:
+            raise ValueError(f"AdaptivePolicy: spread_window={self.spread_window} must be >= 0")
         self._rng = random.Random(self.seed)
         self._until_probe = self._next_probe_gap()
+        self._spread = deque(maxlen=self.spread_window)
 
     # evidence ------------------------------------------------------------------
 
@@ -334,12 +356,42 @@ class AdaptivePolicy:
             out.append(total)
         return out
 
+    def record_finished(self, tried: list[int], accepted: list[int]) -> None:
+        """A finished sequence's verifies (Sequence.tried_per_position / accepted_per_position): how
+        far its expected tokens at each depth were from the long-run estimate's (module docstring). A
+        sequence that verified nothing says nothing."""
+        if not tried or not tried[0] or not self.spread_window:
+            return
+        p = self.long_run_acceptance()
+        own = self.sequence_expected_tokens(tried, accepted, p)
+        base = self.sequence_expected_tokens([], [], p)
+        self._spread.append([o / e for o, e in zip(own, base)])
+
+    def _spread_tokens(self, draining, p: list[float]) -> list[list[float]]:
+        """E_i[k] for k = 0..max_k of every running sequence: its own estimate (shrunk towards `p`),
+        moved towards the quantile of the finished sequences' ratios that its rank among the running
+        ones gives, by the share of the prior in its estimate."""
+        own = [self.sequence_expected_tokens(t, a, p) for _, t, a in draining]
+        if len(self._spread) < 8:
+            return own
+        w = self.sequence_prior_weight
+        unsure = [w / ((t[0] if t else 0) + w) for _, t, _ in draining]
+        n = len(own)
+        out = [list(e) for e in own]
+        for k in range(1, self.max_k + 1):
+            ratios = sorted(r[k] for r in self._spread)
+            order = sorted(range(n), key=lambda i: own[i][k])
+            for rank, i in enumerate(order):
+                m = ratios[min(len(ratios) - 1, int((rank + 0.5) / n * len(ratios)))]
+                out[i][k] = max(1.0, own[i][k] * (1.0 + unsure[i] * (m - 1.0)))
+        return out
+
     def drain_scores(self, draining) -> list[float | None]:
         """For a closed batch (module docstring): tokens per second until every running sequence is done,
         at each depth held from now on (None: no cost measured yet). `draining`: (tokens left, tried
         per position, accepted per position) of every running sequence."""
         p = self.long_run_acceptance()
-        left = [(max(0, r), self.sequence_expected_tokens(t, a, p)) for r, t, a in draining]
+        left = [(max(0, r), e) for (r, _, _), e in zip(draining, self._spread_tokens(draining, p))]
         total = sum(r for r, _ in left)
         n = len(left)
         buckets = [batch_bucket(b) for b in range(1, n + 1)]

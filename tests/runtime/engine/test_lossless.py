@@ -146,6 +146,9 @@ class RandomDepth:
     def record_verifies(self, verifies) -> None:
         pass
 
+    def record_finished(self, tried, accepted) -> None:
+        pass
+
     def end_step(self) -> None:
         pass
 

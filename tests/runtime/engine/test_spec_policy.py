@@ -401,3 +401,27 @@ def test_a_batch_s_slow_tail_does_not_set_what_the_next_batch_s_sequences_are_ex
     assert policy.sequence_expected_tokens([], [])[1] > 1.9  # a fresh sequence starts from the long run
     with pytest.raises(ValueError, match="long_decay"):
         AdaptivePolicy(2, long_decay=1.5)
+
+
+def test_a_closed_batch_of_new_sequences_drains_with_the_spread_its_predecessors_showed():
+    """Sequences that have verified nothing all look alike, yet prompts differ: the finished sequences'
+    spread (`record_finished`) gives the new ones a tail, which k = 0 does not have."""
+    policy = _closed_batch_policy(drain_interval=1)
+    p = policy.long_run_acceptance()[0]
+    new = [(60, [], [])] * 32
+    alike = policy.drain_scores(new)
+    assert alike[1] > alike[0]  # without a spread: every sequence at p, k = 1 wins as it does per step
+    for i in range(40):  # finished sequences: a quarter of them never accepted a draft
+        policy.record_finished([20], [0] if i % 4 == 0 else [20])
+    spread = policy.drain_scores(new)
+    assert spread[0] == alike[0]  # at k = 0 the batch still finishes together
+    assert spread[1] < alike[1] and spread[1] < spread[0]  # at k = 1 its slow quarter drains alone
+    assert policy.choose(32, new) == 0
+    # a running sequence's own verifies outweigh the spread: all known to be fast, no tail
+    known = [(60, [200], [200])] * 32
+    assert policy.drain_scores(known)[1] > policy.drain_scores(known)[0]
+    assert policy.long_run_acceptance()[0] == p  # recording a finish moves no estimate
+    policy.record_finished([], [])  # a sequence that verified nothing says nothing
+    assert len(policy._spread) == 40
+    with pytest.raises(ValueError, match="spread_window"):
+        AdaptivePolicy(1, spread_window=-1)
