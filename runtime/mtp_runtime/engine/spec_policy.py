@@ -31,7 +31,9 @@ not in use (known only from probes and the start-up's dummy steps) look
 dearer than they run, the cheapest the most, and the policy speculated where
 k = 0 was faster.
 
-Exploration: every `probe_interval` steps (jittered, from `seed`, so runs
+Exploration: a policy at k = 0 that has seen no verify for hundreds of steps
+(a fresh engine: its acceptance is only the prior's) probes the deepest k at
+once; and every `probe_interval` steps (jittered, from `seed`, so runs
 repeat) the policy runs another k, in turn, so that every depth keeps being
 measured: when the draft turns bad the policy falls to k = 0, and the probes
 bring speculation back once it agrees again. A probe lasts `probe_steps` (2)
@@ -438,6 +440,11 @@ class AdaptivePolicy:
             unmeasured = [k for k, s in enumerate(scores) if s is None]
             if unmeasured:  # measure every depth once before trusting the comparison
                 return self._start_probe(unmeasured[0])
+            if self._current == 0 and self._long_tries[0] < self._long_scale:
+                # No draft verified for hundreds of steps (a fresh engine): the acceptance is the prior's,
+                # which values speculation at little, and at k = 0 nothing would be learnt until the next
+                # probe, up to 160 steps away; try the deepest k now.
+                return self._start_probe(self.max_k)
             best = max(range(len(scores)), key=lambda k: scores[k])
             current = scores[self._current]
             if best != self._current and scores[best] > current * (1 + self.switch_margin):

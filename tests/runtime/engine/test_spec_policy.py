@@ -253,8 +253,9 @@ def test_a_step_right_after_one_at_another_depth_is_not_timed():
 
 
 def test_a_probe_s_step_counts_once_the_step_before_ran_its_depth():
-    # no evidence: p = 0.5, so k = 1 gives 1.5 tokens for 2.0 and k = 0 one for 1.0; a probe every 2 steps
+    # p = 0.5: k = 1 gives 1.5 tokens for 2.0 and k = 0 one for 1.0; a probe every 2 steps
     policy = _seeded(AdaptivePolicy(1, probe_interval=2), lambda k, b: 1.0 + k)
+    policy.record_verifies([(1, 1), (1, 0)])
     assert policy.choose(1) == 0
     policy.record_step(0, 1, 1.0)
     assert policy.choose(1) == 1  # first step of the probe: after a k = 0 step, not timed
@@ -265,6 +266,27 @@ def test_a_probe_s_step_counts_once_the_step_before_ran_its_depth():
     assert policy.cost(1, 1) > 2.0
     with pytest.raises(ValueError, match="probe_steps=1 must be >= 2"):
         AdaptivePolicy(1, probe_steps=1)
+
+
+def test_a_fresh_policy_tries_the_deepest_k_before_settling_on_the_prior_s_choice():
+    """With no verify seen, the prior (p = 0.5) values speculation at little and k = 0 would learn nothing
+    until the first probe, up to 160 steps in; a fresh policy probes the deepest k at once, and stays
+    there when its drafts agree."""
+    policy = _seeded(AdaptivePolicy(3, seed=2), lambda k, b: 1.0 + 0.4 * k)
+    assert policy.scores(1)[0] > policy.scores(1)[3]  # on the prior alone, k = 0 looks best
+    chosen = []
+    for _ in range(20):
+        k = policy.choose(1)
+        chosen.append(k)
+        if k:
+            policy.record_verify(k, k)  # every draft agrees (the first step of the probe's too)
+        policy.record_step(k, 1, 1.0 + 0.4 * k)
+        policy.end_step()
+    assert chosen[:2] == [3, 3] and chosen[2:] == [3] * 18
+    # once drafts have been verified, a policy at k = 0 waits for its probes
+    settled = _seeded(AdaptivePolicy(1, probe_interval=10**6), lambda k, b: 1.0 + k)
+    settled.record_verifies([(1, 0)] * 4)
+    assert [settled.choose(1) for _ in range(5)] == [0] * 5
 
 
 def test_fixed_policy_and_settings():
