@@ -205,9 +205,9 @@ def _names_a_tensor(root: nn.Module, path: str) -> bool:
 class AotDecodeStep(GreedyDecodeStep):
     """GreedyDecodeStep whose calls run an AOTInductor package (module docstring)."""
 
-    def __init__(self, main, draft, k: int, block_size: int, draft_keys: bool = False,
+    def __init__(self, main, draft, k: int, block_size: int, keep_hidden: bool = False,
                  cache_dir: Path | None = None):
-        super().__init__(main, draft, k, block_size, compile_graph=False, draft_keys=draft_keys)
+        super().__init__(main, draft, k, block_size, compile_graph=False, keep_hidden=keep_hidden)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else aot_cache_dir()
         self._runners: dict[int, object] = {}  # thread count -> the package's loader
         self._inputs: list[torch.Tensor] | None = None  # [plan slot, *caches]
@@ -294,7 +294,7 @@ class AotDecodeStep(GreedyDecodeStep):
             "isa": torch.backends.cpu.get_cpu_capability(),
             "main": self.main.config.to_dict(),
             "draft": self.draft.config.to_dict() if self.draft is not None else None,
-            "k": self.k, "draft_keys": self.draft_keys, "block_size": self.block_size, "threads": threads,
+            "k": self.k, "keep_hidden": self.keep_hidden, "block_size": self.block_size, "threads": threads,
             "tensors": sorted(tensors),
             "aliases": sorted(sorted(names) for names in aliases.values() if len(names) > 1),
             # per cache: its shape past the block count (dynamic: a KV budget's block count varies by start)

@@ -131,6 +131,8 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
         self.num_hit_tokens += seq.num_cached_tokens
+        if hits:  # steps at adaptive depth's k = 0 may have left the blocks' draft keys out
+            seq.draft_keys_from = 0
 
     def reserve(self, seq: Sequence, num_slots: int) -> None:
         """Grow the block table of `seq` to at least `num_slots` slots."""

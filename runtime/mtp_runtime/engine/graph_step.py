@@ -40,7 +40,7 @@ import time
 import torch
 
 from mtp_runtime.engine.sampler import greedy_verify
-from mtp_runtime.layers.attention import DecodeBatch, RowSelection
+from mtp_runtime.layers.attention import DecodeBatch, RowSelection, write_cache
 from mtp_runtime.models.graph import compile_failure, compile_method, contiguous_copy
 
 # Architectures whose decode steps take the one-call graph. GLM's (GQA) one-call graph measured slower
@@ -87,15 +87,15 @@ def _metadata(tables: torch.Tensor, positions: torch.Tensor, key_pos: torch.Tens
 class GreedyDecodeStep:
     """One compiled greedy decode step over `main` (and `draft` with k >= 1 drafts per sequence)."""
 
-    def __init__(self, main, draft, k: int, block_size: int, compile_graph: bool = True, draft_keys: bool = False):
-        """draft_keys (k = 0 only): the step also writes the draft cache's keys for the position it
-        makes final, as adaptive depth's steps at k = 0 do (ModelRunner._propose)."""
-        if (k or draft_keys) and draft is None:
-            raise ValueError("GreedyDecodeStep: k >= 1 drafts (or draft_keys) need the MTP draft model")
-        if draft_keys and k:
-            raise ValueError("GreedyDecodeStep: draft_keys is for a k = 0 step; with drafts every key is written")
+    def __init__(self, main, draft, k: int, block_size: int, compile_graph: bool = True, keep_hidden: bool = False):
+        """keep_hidden (adaptive depth): the step's draft cache list ends with the store of main hidden
+        states ({"hidden": [num_blocks, block_size, H]}), and the step writes every row's hidden at its
+        slot there; a step at k = 0 writes nothing else for the draft (ModelRunner._fill_draft_keys
+        writes the keys it skipped, from the store, when a step drafts again)."""
+        if k and draft is None:
+            raise ValueError("GreedyDecodeStep: k >= 1 drafts need the MTP draft model")
         self.main, self.draft, self.k, self.block_size = main, draft, k, block_size
-        self.draft_keys = draft_keys
+        self.keep_hidden = keep_hidden
         self._fn = compile_method(self._step, cpp_wrapper=True) if compile_graph else self._step
         self._warm = False
 
@@ -128,9 +128,10 @@ class GreedyDecodeStep:
         bs, k = self.block_size, self.k
         n = k + 1
         targets, hidden, positions, key_pos, meta = self._verify(plan, main_caches)
+        if self.keep_hidden:  # rows past a sequence's acceptance are overwritten before they are read
+            *draft_caches, store = draft_caches
+            write_cache(store["hidden"], hidden, meta.slot_mapping)
         if not k:
-            if self.draft_keys:  # the draft at position p reads the token at p + 1: the one just verified
-                self.draft.write_keys(targets.flatten(), hidden, positions.flatten(), draft_caches, meta)
             return targets, None, None
         cached, tokens, tables = self._split(plan)
         b = plan.shape[0]

@@ -24,7 +24,7 @@ from mtp_runtime.engine.graph_step import ONE_CALL_ARCHS, GreedyDecodeStep, warm
 from mtp_runtime.engine.sampler import RowParams, probabilities, sample_from, speculative_verify, uniform_rows
 from mtp_runtime.engine.scheduler import ScheduledBatch
 from mtp_runtime.engine.sequence import Sequence
-from mtp_runtime.layers.attention import AttentionMetadata, RowSelection
+from mtp_runtime.layers.attention import AttentionMetadata, RowSelection, gather_cache, write_cache
 from mtp_runtime.models.graph import CompileCounts, GraphError, announce, compile_cache_dir, resolve_graph, warm_up
 from mtp_runtime.models.loader import load_draft, load_model
 
@@ -87,16 +87,23 @@ class ModelRunner:
         self.block_size = config.block_size
         main_spec = self.main.kv_cache_spec()
         draft_spec = self.draft.kv_cache_spec() if self.draft is not None else []
+        # Adaptive depth: a step at k = 0 drafts nothing and leaves the draft's keys of the positions it
+        # makes final unwritten; every step keeps the main hidden of each position instead (one row
+        # copy), and the next step that drafts writes the missing keys from them (_fill_draft_keys).
+        hidden_spec = [{"hidden": (self.model_config.hidden_size,)}] if self.adaptive and self.draft else []
         self.main_block_bytes = cache_bytes_per_block(main_spec, self.block_size, self.dtype)
-        self.draft_block_bytes = cache_bytes_per_block(draft_spec, self.block_size, self.dtype)
+        self.draft_block_bytes = cache_bytes_per_block(draft_spec + hidden_spec, self.block_size, self.dtype)
         self.num_blocks = config.kv_block_count(self.main_block_bytes + self.draft_block_bytes,
                                                 free_memory_bytes(config.device), self.max_model_len)
         self.main_caches = allocate_caches(main_spec, self.num_blocks, self.block_size, self.dtype, self.device)
         self.draft_caches = allocate_caches(draft_spec, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.hidden_caches = allocate_caches(hidden_spec, self.num_blocks, self.block_size, self.dtype, self.device)
+        # what a one-call step takes as its draft caches: the draft's, then the hidden store (keep_hidden)
+        self.step_draft_caches = self.draft_caches + self.hidden_caches
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         # Graph mode: all-greedy decode steps run verify, acceptance and drafting as one compiled call,
-        # one graph for each k a step may have (0..K with adaptive depth; its k = 0 step also writes
-        # the draft cache's keys, ModelRunner._propose).
+        # one graph for each k a step may have (0..K with adaptive depth, whose steps also keep the
+        # main hidden states, and whose k = 0 step runs the main model only).
         # Each is compiled ahead of time (AotDecodeStep) where it can be, else by torch.compile.
         self.decode_steps: dict[int, GreedyDecodeStep] = {}
         self.aot_requested = resolve_aot(config.aot_step)  # True, False or None (auto)
@@ -105,7 +112,7 @@ class ModelRunner:
             aot = self._aot_possible()
             for k in self.step_depths():
                 self.decode_steps[k] = (AotDecodeStep if aot else GreedyDecodeStep)(
-                    self.main, self.draft, k, self.block_size, draft_keys=self.adaptive and not k)
+                    self.main, self.draft, k, self.block_size, keep_hidden=bool(self.hidden_caches))
         else:
             if self.graph_enabled:
                 self.aot_reason = f"off ({self.model_config.arch} has no one-call decode step)"
@@ -116,6 +123,7 @@ class ModelRunner:
         self.decode_step = self.decode_steps.get(self.k)
         self.graph_warm_up_by_k: dict[int, float] = {}  # seconds compiling each k's one-call step
         self.on_step = None  # called with each step's k before its model calls (multi-node: into the plans)
+        self.draft_keys_filled = 0  # draft keys written late, for positions steps at k = 0 made final
         self.graph_warm_up_s = self._warm_up_graphs() if self.graph_enabled else 0.0
 
     def swap_draft(self, draft) -> None:
@@ -131,7 +139,7 @@ class ModelRunner:
             raise ValueError("swap_draft: the new draft's config or cache layout differs from the old one's")
         for k, step in list(self.decode_steps.items()):  # first, so a draft the packages refuse changes nothing
             if isinstance(step, AotDecodeStep):
-                step.swap_draft(draft, self.main_caches, self.draft_caches)
+                step.swap_draft(draft, self.main_caches, self.step_draft_caches)
         self.draft = draft
         with torch.inference_mode():
             if self.graph_enabled:
@@ -140,7 +148,7 @@ class ModelRunner:
             for k, step in list(self.decode_steps.items()):
                 if not isinstance(step, AotDecodeStep):
                     self.decode_steps[k] = GreedyDecodeStep(self.main, draft, k, self.block_size,
-                                                            draft_keys=step.draft_keys)
+                                                            keep_hidden=step.keep_hidden)
                     self._warm_up_decode_step(k)
         self.decode_step = self.decode_steps.get(self.k)
 
@@ -214,7 +222,7 @@ class ModelRunner:
         """Ready k's one-call step; an ahead-of-time step that cannot be built gives way to the
         torch.compile one (with a warning), unless aot_step asked for it."""
         args = (warm_up_batch_sizes(self.config.max_seqs_per_batch), self.num_blocks, self.main_caches,
-                self.draft_caches, self.device, self.threads_for)
+                self.step_draft_caches, self.device, self.threads_for)
         step = self.decode_steps[k]
         try:
             return step.warm_up(*args)
@@ -227,7 +235,7 @@ class ModelRunner:
                         "the torch.compile step instead", k, exc)
             self.aot_reason = f"off (ahead-of-time compile failed: {exc}): torch.compile"
         step = self.decode_steps[k] = GreedyDecodeStep(self.main, self.draft, k, self.block_size,
-                                                       draft_keys=step.draft_keys)
+                                                       keep_hidden=step.keep_hidden)
         return step.warm_up(*args)
 
     # slots, tensors, generators ---------------------------------------------------
@@ -258,6 +266,13 @@ class ModelRunner:
         and leaves each sampled sequence's next drafts in seq.draft_token_ids."""
         if self.on_step is not None:
             self.on_step(batch.num_speculative_tokens)
+        if self.hidden_caches:
+            if batch.num_speculative_tokens:
+                self._fill_draft_keys(batch.seqs)
+            else:  # this step writes no draft keys: the first position it makes final starts a gap
+                for seq in batch.seqs:
+                    if seq.draft_keys_from is None:
+                        seq.draft_keys_from = seq.num_cached_tokens
         if self.decode_step is not None or self.decode_steps:
             decoding = [i for i in range(len(batch)) if self._is_greedy_decode_row(batch, i)]
             if len(decoding) == len(batch):
@@ -311,6 +326,8 @@ class ModelRunner:
         tables = [seq.block_table for seq in batch.seqs]
         meta = AttentionMetadata(qsl, context_lens, tables, self._tensor(slots), self.block_size)
         hidden = self.main(self._tensor(ids), self._tensor(positions), self.main_caches, meta)  # [T, H]
+        if self.hidden_caches:  # as the main cache: slots past what the step makes final are rewritten
+            write_cache(self.hidden_caches[0]["hidden"], hidden, meta.slot_mapping)
 
         new_tokens, accepted = self._sample(batch, hidden, qsl)
         if self.draft is not None:
@@ -343,7 +360,7 @@ class ModelRunner:
         plan = self._tensor([GreedyDecodeStep.plan(seq.num_cached_tokens, [seq.token_ids[-1], *seq.draft_token_ids],
                                                    seq.block_table, width) for seq in seqs])
         step = self.decode_step if k == self.k else self.decode_steps[k]
-        targets, accepted, drafts = step(plan, self.main_caches, self.draft_caches)
+        targets, accepted, drafts = step(plan, self.main_caches, self.step_draft_caches)
         targets = targets.tolist()
         if not k:
             if self.adaptive:
@@ -452,12 +469,12 @@ class ModelRunner:
         tables = [seq.block_table for seq in batch.seqs]
         meta = AttentionMetadata(d_qsl, d_context, tables, self._tensor(d_slots), self.block_size)
         args = (self._tensor(ids), hidden[self._tensor(rows)], self._tensor(rows_positions(meta)), self.draft_caches)
-        if not samplers:  # chunks of prompts still prefilling: their keys only, no attention or MLP
-            self.draft.write_keys(*args, meta)
-            return
         k = batch.num_speculative_tokens
-        if not k:  # adaptive depth at k = 0: the keys only, and filler for the next step to verify
-            self.draft.write_keys(*args, meta)
+        if not samplers:  # chunks of prompts still prefilling: their keys only, no attention or MLP
+            if k:  # (at adaptive depth's k = 0, not even those: execute)
+                self.draft.write_keys(*args, meta)
+            return
+        if not k:  # adaptive depth at k = 0: no keys (execute), and filler for the next step to verify
             for seq, i in zip(samplers, [i for i in range(len(batch)) if batch.samples[i]]):
                 self._set_drafts(seq, [], None, new_tokens[i][-1])
             return
@@ -485,6 +502,34 @@ class ModelRunner:
         stacked = torch.stack(probs, dim=1) if probs else None  # [B, k, V]; rows of greedy sequences unused
         for b, (seq, row) in enumerate(zip(samplers, torch.stack(drafts, dim=1).tolist())):
             self._set_drafts(seq, row, None if stacked is None or seq.params.greedy else stacked[b], row[-1])
+
+    def _fill_draft_keys(self, seqs: list[Sequence]) -> None:
+        """Before a step that drafts (adaptive depth): write the draft's keys that steps at k = 0 left
+        out, [seq.draft_keys_from, seq.num_cached_tokens) of each sequence, in one keys-only pass fed
+        the main hidden states the steps kept. The draft at position p reads the token at p + 1."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl, context_lens, tables = [0], [], []
+        for seq in seqs:
+            start, end = seq.draft_keys_from, seq.num_cached_tokens
+            seq.draft_keys_from = None
+            if start is None or start >= end:
+                continue
+            ids += seq.token_ids[start + 1:end + 1]
+            positions += range(start, end)
+            slots += self._slots(seq.block_table, start, end)
+            qsl.append(qsl[-1] + end - start)
+            context_lens.append(end)
+            tables.append(seq.block_table)
+        if not ids:
+            return
+        slot_mapping = self._tensor(slots)
+        meta = AttentionMetadata(qsl, context_lens, tables, slot_mapping, self.block_size)
+        hidden = gather_cache(self.hidden_caches[0]["hidden"], slot_mapping)
+        with self._step_threads(self.threads_for(len(ids))):
+            self.draft.write_keys(self._tensor(ids), hidden, self._tensor(positions), self.draft_caches, meta)
+        self.draft_keys_filled += len(ids)
 
     def _draft_token(self, seqs: list[Sequence], h: torch.Tensor, probs: list[torch.Tensor]) -> torch.Tensor:
         """Next draft token per sequence [B]: the argmax, or a draw from the draft's distribution q

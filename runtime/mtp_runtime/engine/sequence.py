@@ -46,6 +46,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.draft_token_ids: list[int] = []
         self.draft_probs: Any = None  # [k, vocab] draft distribution when sampling (temperature > 0)
+        # adaptive depth: the first position whose draft key is not written yet (steps at k = 0 leave
+        # them out; the next step that drafts writes them), None when every cached position has one
+        self.draft_keys_from: int | None = None
         # leading draft_token_ids the draft model proposed; the rest are filler (adaptive depth pads a
         # step's proposals to the largest k, so the scheduler reserves for it)
         self.num_real_drafts = 0
@@ -94,6 +97,7 @@ class Sequence:
         self.draft_token_ids = []
         self.draft_probs = None
         self.num_real_drafts = 0
+        self.draft_keys_from = None
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

@@ -74,9 +74,9 @@ class MtpDraft(GraphMode, nn.Module):
 
     def write_keys(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                    caches: list[dict[str, torch.Tensor]], meta: AttentionMetadata) -> None:
-        """Only the cache writes of `forward` (same inputs): a step that drafts nothing (adaptive
-        depth at k = 0) still gives the draft cache the keys of the positions it made final, so a
-        later step's drafts attend to a complete context."""
+        """Only the cache writes of `forward` (same inputs): a prompt chunk's keys, and the keys adaptive
+        depth's steps at k = 0 (which draft nothing) left out, written when a step drafts again
+        (ModelRunner._fill_draft_keys), so its drafts attend to a complete context."""
         if len(caches) != 1:
             raise ValueError(f"the MTP draft has one layer and takes one cache, got {len(caches)}")
         cos, sin = self.rotary(positions)

@@ -135,7 +135,8 @@ class BroadcastingModule:
 
     def write_keys(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                    caches: list, meta: AttentionMetadata) -> None:
-        """The draft's keys-only pass (a step at k = 0): a plan of its own, so the workers write theirs."""
+        """The draft's keys-only pass (a prompt chunk's, or the keys steps at k = 0 left out): a plan of
+        its own, so the workers write theirs."""
         self._sync_caches(caches)
         fields, sent = self._hidden_fields(hidden)
         self._leader.send(_forward_plan(self._target, input_ids, positions, meta, keys_only=True, **fields), sent)

@@ -71,7 +71,7 @@ class StepPlan:
     # The k rank 0 chose for the step this call belongs to (adaptive depth picks it every step; the
     # shapes of the calls follow from it); -1 for calls outside a step (cache plans, STOP).
     num_speculative_tokens: int = -1
-    keys_only: bool = False  # a draft FORWARD that only writes its keys (MtpDraft.write_keys: a step at k = 0)
+    keys_only: bool = False  # a draft FORWARD that only writes its keys (MtpDraft.write_keys: keys left out at k = 0)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -35,10 +35,16 @@ def eager_engine(kit, tiny_models):
     return kit.make_engine(tiny_models["deepseek_v3"], 2, enable_graph=False, **SETTINGS)
 
 
-def random_caches(runner, seed):
+def hidden_store(runner):
+    """The store of main hidden states an adaptive engine's steps take after the draft's caches."""
+    return [{"hidden": torch.zeros(runner.num_blocks, runner.block_size, runner.model_config.hidden_size)}]
+
+
+def random_caches(runner, seed, keep_hidden=False):
     gen = torch.Generator().manual_seed(seed)
+    draft = runner.draft_caches + (hidden_store(runner) if keep_hidden else [])
     return [[{name: torch.randn(t.shape, generator=gen) for name, t in layer.items()} for layer in caches]
-            for caches in (runner.main_caches, runner.draft_caches)]
+            for caches in (runner.main_caches, draft)]
 
 
 def copies(caches):
@@ -55,18 +61,18 @@ def plan(k, batch, width, block_size=SETTINGS["block_size"]):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("k,draft_keys", [(2, False), (0, True)])
-def test_the_package_computes_what_the_eager_step_does(eager_engine, k, draft_keys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("k,keep_hidden", [(2, False), (0, True)])
+def test_the_package_computes_what_the_eager_step_does(eager_engine, k, keep_hidden, tmp_path, monkeypatch):
     """Every batch size (1 included) and table width (1 included) from one package: the same tokens,
     and the same keys written into the main and draft caches (within float rounding). The directory
     torch's loader unpacks the package into is gone once it is loaded (torch leaves it behind)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where torch's loader would leave them
     runner = eager_engine.runner
-    caches = random_caches(runner, seed=k)
-    step = AotDecodeStep(runner.main, runner.draft, k, runner.block_size, draft_keys=draft_keys)
+    caches = random_caches(runner, seed=k, keep_hidden=keep_hidden)
+    step = AotDecodeStep(runner.main, runner.draft, k, runner.block_size, keep_hidden=keep_hidden)
     eager = GreedyDecodeStep(runner.main, runner.draft, k, runner.block_size, compile_graph=False,
-                             draft_keys=draft_keys)
+                             keep_hidden=keep_hidden)
     with torch.inference_mode():
         step.warm_up([1, 2], runner.num_blocks, *copies(caches), torch.device("cpu"))
         assert step.built + step.loaded == 1 and list(step._runners) == [1]
@@ -85,7 +91,8 @@ def test_the_package_computes_what_the_eager_step_does(eager_engine, k, draft_ke
                     for name in w_layer:
                         torch.testing.assert_close(g_layer[name], w_layer[name], atol=1e-5, rtol=1e-5)
                         written += int(not torch.equal(g_layer[name], b_layer[name]))
-            assert written >= len(runner.main_caches) + (1 if (k or draft_keys) else 0)
+            # every main layer; the draft's cache with drafts, the hidden store when kept (k = 0: nothing else)
+            assert written == len(runner.main_caches) + (1 if k else 0) + (1 if keep_hidden else 0)
 
 
 @pytest.mark.slow
@@ -110,13 +117,13 @@ def test_the_key_follows_what_the_compiled_code_depends_on(eager_engine, kit, ti
     runner = eager_engine.runner
     caches = (runner.main_caches, runner.draft_caches)
 
-    def key(k=2, block_size=runner.block_size, threads=1, draft_keys=False, model=runner):
-        step = AotDecodeStep(model.main, model.draft, k, block_size, draft_keys=draft_keys)
-        return step.key(threads, model.main_caches, model.draft_caches)
+    def key(k=2, block_size=runner.block_size, threads=1, keep_hidden=False, model=runner):
+        step = AotDecodeStep(model.main, model.draft, k, block_size, keep_hidden=keep_hidden)
+        return step.key(threads, model.main_caches, model.draft_caches + (hidden_store(model) if keep_hidden else []))
 
     base = key()
     assert key() == base  # stable
-    assert len({base, key(k=1), key(threads=2), key(block_size=16), key(k=0, draft_keys=True), key(k=0)}) == 6
+    assert len({base, key(k=1), key(threads=2), key(block_size=16), key(k=0, keep_hidden=True), key(k=0)}) == 6
     # the weights' values are not part of it; a config value the graph bakes in is
     with torch.no_grad():
         runner.main.lm_head.weight.add_(1.0)

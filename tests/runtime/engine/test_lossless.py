@@ -241,7 +241,7 @@ def test_graph_mode_with_adaptive_depth_has_a_one_call_step_for_every_k(kit, tin
     runner = engine.runner
     assert sorted(runner.decode_steps) == [0, 1, 2] and sorted(runner.graph_warm_up_by_k) == [0, 1, 2]
     assert all(isinstance(step, AotDecodeStep) for step in runner.decode_steps.values()), runner.aot_reason
-    assert runner.decode_steps[0].draft_keys
+    assert all(step.keep_hidden for step in runner.decode_steps.values())
     ran = []
     for k, step in runner.decode_steps.items():
         def counted(plan, *args, k=k, step=step):
