@@ -1,6 +1,6 @@
 """How many drafts each step verifies: a fixed k, or one chosen every step (adaptive depth).
 
-Plain Python, no torch: the engine reports what each step cost and what its
+No torch (Python, and numpy for a closed batch's drain): the engine reports what each step cost and what its
 drafts achieved, and asks for the next step's k.
 
 Adaptive (`--speculative_adaptive=true`, K = `--num_speculative_tokens`): a
@@ -67,6 +67,17 @@ from the long-run estimate (`record_finished`), and gives the running
 sequences, ranked by their own estimates, the quantiles of those ratios,
 each in proportion to how little evidence of its own it has. At k = 0 every
 ratio is 1 and the batch finishes together, as it does.
+
+Even sequences alike finish apart: a step at depth k gains 1 to k + 1 tokens
+per sequence, so the steps a sequence needs for its R tokens vary, with
+variance about R v / E^3 (v: the variance of one step's tokens, from the same
+per-position acceptance). On the bench preset at batch 4 and k = 3, the
+steps with fewer than 4 sequences left were 7.5 per batch of 27 steps, twice
+what the spread of acceptance alone explained. So the drain's time at each k
+is the mean over `drain_samples` draws (a fixed set, so the choice repeats)
+of each sequence's steps from that spread, sorted, each stretch between two
+finishes costed at the number still running. At k = 0 every step gains
+exactly one token: no spread.
 """
 
 from __future__ import annotations
@@ -74,6 +85,8 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -149,6 +162,7 @@ class AdaptivePolicy:
     long_decay: float = 0.995  # per step, for the long-run acceptance a closed batch's sequences start from
     drain_interval: int = 4  # a closed batch's choice is revised every this many steps
     spread_window: int = 64  # finished sequences whose acceptance gives a closed batch's spread
+    drain_samples: int = 64  # draws of each sequence's steps to finish a closed batch (module docstring)
     seed: int = 0
     adaptive = True
     # Decayed counts, stored scaled: a count is the stored value / its scale. Decaying every count each
@@ -173,6 +187,8 @@ class AdaptivePolicy:
     _rng: random.Random = field(init=False)
     # per finished sequence, its E[k] over the long-run estimate's, k = 0..max_k (`record_finished`)
     _spread: deque = field(init=False)
+    _drain_noise: dict = field(init=False, default_factory=dict)  # batch size -> [drain_samples, n] N(0, 1)
+    _odd: np.ndarray = field(init=False)  # 2j - 1 for j = 1..max_k
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_k, int) or self.max_k < 1:
@@ -195,11 +211,14 @@ class AdaptivePolicy:
         self._hits = [0.0] * self.max_k
         self._long_tries = [0.0] * self.max_k
         self._long_hits = [0.0] * self.max_k
+        if self.drain_samples < 1:
+            raise ValueError(f"AdaptivePolicy: drain_samples={self.drain_samples} must be >= 1")
         if self.spread_window < 0:
             raise ValueError(f"AdaptivePolicy: spread_window={self.spread_window} must be >= 0")
         self._rng = random.Random(self.seed)
         self._until_probe = self._next_probe_gap()
         self._spread = deque(maxlen=self.spread_window)
+        self._odd = 2.0 * np.arange(1, self.max_k + 1) - 1.0
 
     # evidence ------------------------------------------------------------------
 
@@ -393,22 +412,37 @@ class AdaptivePolicy:
         at each depth held from now on (None: no cost measured yet). `draining`: (tokens left, tried
         per position, accepted per position) of every running sequence."""
         p = self.long_run_acceptance()
-        left = [(max(0, r), e) for (r, _, _), e in zip(draining, self._spread_tokens(draining, p))]
-        total = sum(r for r, _ in left)
+        e = np.array(self._spread_tokens(draining, p)).T  # [k, sequence]: E_i[k]
+        left = np.array([max(0, r) for r, _, _ in draining], dtype=float)
         n = len(left)
         buckets = [batch_bucket(b) for b in range(1, n + 1)]
         table = {b: self.step_costs(b) for b in set(buckets)}  # each bucket's costs looked up once
-        out: list[float | None] = []
-        for k in range(self.max_k + 1):
-            cost_at = [table[b][k] for b in buckets]  # cost_at[b - 1]: a step of b sequences at depth k
-            if None in cost_at:
-                out.append(None)
-                continue
-            seconds, done = 0.0, 0.0
-            for m, s in enumerate(sorted(r / e[k] for r, e in left)):  # n - m sequences run until step s
-                seconds += (s - done) * cost_at[n - m - 1]
-                done = s
-            out.append(total / seconds if seconds > 0 else float("inf"))
+        measured = [k for k in range(self.max_k + 1) if all(table[b][k] is not None for b in buckets)]
+        out: list[float | None] = [None] * (self.max_k + 1)
+        if not measured:
+            return out
+        noise = self._drain_noise.get(n)
+        if noise is None:  # the same draws for every choice at this batch size
+            noise = self._drain_noise[n] = np.random.default_rng(self.seed).standard_normal((self.drain_samples, n))
+        # one step's tokens: 1 + A, with P(A >= j) = E[j] - E[j - 1]; Var A = sum (2j - 1) P(A >= j) - (E A)^2
+        q = np.maximum(e[1:] - e[:-1], 0.0)  # [k, sequence]
+        gained = np.zeros_like(e)
+        square = np.zeros_like(e)
+        np.cumsum(q, axis=0, out=gained[1:])
+        np.cumsum(q * self._odd[:, None], axis=0, out=square[1:])
+        e, var = e[measured], np.maximum(square - gained * gained, 0.0)[measured]  # [k, sequence]
+        draws = (left / e)[:, None, :] + np.sqrt(left * var / (e * e * e))[:, None, :] * noise  # [k, sample, seq]
+        np.maximum(draws, 0.0, out=draws)
+        draws.sort(axis=2)
+        finish = draws.mean(axis=1)  # [k, m]: the m-th finish, m = 0..n-1
+        # between the (m-1)-th finish and the m-th, n - m sequences run: sum over m of
+        # (t_m - t_(m-1)) c_m is sum over m of t_m (c_m - c_(m+1)), with c_n = 0
+        running = np.array([[table[b][k] for b in reversed(buckets)] for k in measured])  # [k, m]: c_m
+        running[:, :-1] -= running[:, 1:]
+        seconds = (finish * running).sum(axis=1)
+        total = float(left.sum())
+        for k, sec in zip(measured, seconds.tolist()):
+            out[k] = total / sec if sec > 0 else float("inf")
         return out
 
     # the choice -------------------------------------------------------------------

@@ -3,6 +3,7 @@ draft whose acceptance changes over time, and step costs that grow with k."""
 
 import random
 
+import numpy as np
 import pytest
 
 from mtp_runtime.engine.spec_policy import AdaptivePolicy, FixedPolicy, batch_bucket, bucket_sizes, make_policy
@@ -447,3 +448,34 @@ def test_a_closed_batch_of_new_sequences_drains_with_the_spread_its_predecessors
     assert len(policy._spread) == 40
     with pytest.raises(ValueError, match="spread_window"):
         AdaptivePolicy(1, spread_window=-1)
+
+
+def test_sequences_alike_still_finish_apart_at_k_above_0():
+    """Four sequences with the same acceptance: at k = 1 the steps each needs vary (a step gains 1 or
+    2 tokens), so the batch ends on a tail of steps with fewer sequences, which the drain charges;
+    at k = 0 they finish together."""
+    def cost(k, b):
+        return {1: 0.9, 2: 0.95, 4: 1.0}[b] * (1.0 + 0.55 * k)
+
+    def policy_with(samples_spread: bool) -> AdaptivePolicy:
+        policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6, drain_interval=1)
+        for k in (0, 1):
+            for b in (1, 2, 4):
+                policy.record_step(k, b, cost(k, b))
+        for i in range(100):
+            policy.record_verify(1, int(i % 5 < 3))  # p = 0.6: E[1] = 1.6 tokens a step for 1.55x the cost
+        if not samples_spread:
+            policy._drain_noise[4] = np.zeros((1, 4))
+        return policy
+
+    alike = [(64, [], [])] * 4
+    without = policy_with(False).drain_scores(alike)
+    assert without[1] > without[0]  # 40 steps at 1.55 against 64 at 1: k = 1 would win by 3%
+    policy = policy_with(True)
+    spread = policy.drain_scores(alike)
+    assert spread[0] == pytest.approx(without[0])  # k = 0: one token a step, no spread
+    assert spread[1] < spread[0]  # the last of four finishes ~2 steps late, the tail at nearly full cost
+    assert policy.choose(4, alike) == 0
+    assert policy.drain_scores(alike) == spread  # the same draws every time
+    with pytest.raises(ValueError, match="drain_samples"):
+        AdaptivePolicy(1, drain_samples=0)
