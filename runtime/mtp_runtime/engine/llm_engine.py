@@ -220,17 +220,19 @@ class LLMEngine:
 
     def _time_dummy_steps(self, reps: int) -> None:
         # The depths take turns within each repeat, so a change in the machine's load between them
-        # (other work on its cores) hits every k alike instead of skewing their ratios. Each turn is two
-        # steps, and the second is timed: the first runs cold after another depth's step, as the
-        # policy's own probes do (engine/spec_policy.py), and decoding runs one depth step after step.
+        # (other work on its cores) hits every k alike instead of skewing their ratios. Each turn runs
+        # the policy's cold steps and times the step after them: the first steps after another depth's
+        # run cold, as the policy's own probes do (engine/spec_policy.py), and decoding runs one depth
+        # step after step.
+        turns = getattr(self.policy, "cold_steps", 0) + 1
         for b in bucket_sizes(self.config.max_seqs_per_batch):
             for rep in range(reps + 1):
                 for k in self.runner.step_depths():
-                    for turn in range(2):
-                        batch = self._dummy_batch(b, k, 2 * rep + turn)
+                    for turn in range(turns):
+                        batch = self._dummy_batch(b, k, turns * rep + turn)
                         t0 = time.perf_counter()
                         self.runner.execute(batch)
-                        if rep and turn:  # the first repeat of each shape may pay one-off costs
+                        if rep and turn == turns - 1:  # the first repeat of each shape may pay one-off costs
                             self.policy.record_step(k, b, time.perf_counter() - t0)
 
     def _dummy_batch(self, b: int, k: int, variant: int) -> ScheduledBatch:

@@ -22,22 +22,24 @@ depth's unit cost, by `probe_cost_smoothing`. A k's score must beat the current 
 by `switch_margin` to replace it (noise in the timings would otherwise flip
 k every step, and each rise pays for drafts the previous step did not make).
 
-Only a step that follows a step at the same depth is timed. Each depth's
-step is code and data of its own (in graph mode, a compiled package per k),
-and the first step after one at another depth runs cold: on the bench preset
-at batch 4, a k = 0 step right after a k = 3 step took 0.85-0.93 ms against
-0.65 ms after another k = 0 step. Timed, those cold steps made the depths
-not in use (known only from probes and the start-up's dummy steps) look
-dearer than they run, the cheapest the most, and the policy speculated where
-k = 0 was faster.
+Only a step that follows `cold_steps` (2) steps at the same depth is timed.
+Each depth's step is code and data of its own (in graph mode, a compiled
+package per k), and the first steps after one at another depth run cold: on
+the bench preset at batch 4, a k = 0 step right after a k = 3 step took
+0.85-0.93 ms against 0.65 ms after another k = 0 step, and in a later run of
+six k = 3 steps then six k = 0 steps, the k = 0 steps took 1.56, 1.54, 1.36,
+1.35, 1.36 and 1.26 ms (the k = 3 steps 4.48, 3.36, 3.48, 3.24, 3.22, 3.26).
+Timed, those cold steps made the depths not in use (known only from probes
+and the start-up's dummy steps) look dearer than they run, the cheapest the
+most, and the policy speculated where k = 0 was faster.
 
 Exploration: a policy at k = 0 that has seen no verify for hundreds of steps
 (a fresh engine: its acceptance is only the prior's) probes the deepest k at
 once; and every `probe_interval` steps (jittered, from `seed`, so runs
 repeat) the policy runs another k, in turn, so that every depth keeps being
 measured: when the draft turns bad the policy falls to k = 0, and the probes
-bring speculation back once it agrees again. A probe lasts `probe_steps` (2)
-steps: its first step runs cold and is not timed, and at a higher k than the
+bring speculation back once it agrees again. A probe lasts `probe_steps` (3)
+steps: its first ones run cold and are not timed, and at a higher k than the
 one before it verifies filler for the drafts the earlier step did not make
 (engine: `Sequence.num_real_drafts`; only real drafts are counted as
 evidence). A probe of a lower k only refreshes its cost and comes every
@@ -72,8 +74,11 @@ Even sequences alike finish apart: a step at depth k gains 1 to k + 1 tokens
 per sequence, so the steps a sequence needs for its R tokens vary, with
 variance about R v / E^3 (v: the variance of one step's tokens, from the same
 per-position acceptance). On the bench preset at batch 4 and k = 3, the
-steps with fewer than 4 sequences left were 7.5 per batch of 27 steps, twice
-what the spread of acceptance alone explained. So the drain's time at each k
+steps with fewer than 4 sequences left were 7.5 of a batch's 25, where the
+spread of acceptance between prompts was narrow (finished sequences' E[3]
+over the long-run estimate: 0.87 to 1.08 from q10 to q90), and the draws
+below put the last of four sequences about 2 standard deviations (3 steps)
+past the first. So the drain's time at each k
 is the mean over `drain_samples` draws (a fixed set, so the choice repeats)
 of each sequence's steps from that spread, sorted, each stretch between two
 finishes costed at the number still running. At k = 0 every step gains
@@ -153,7 +158,8 @@ class AdaptivePolicy:
     # steps between probes (jittered +-25%); each costs a few tokens (a step at the probed k, the next
     # one's filler), about 1% of the tokens at this interval
     probe_interval: int = 128
-    probe_steps: int = 2
+    probe_steps: int = 3
+    cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
     switch_margin: float = 0.03
     prior_acceptance: float = 0.5  # p_1 before any evidence (p_j's: p_{j-1}'s estimate), weight prior_weight (verifies)
     prior_weight: float = 0.1
@@ -181,9 +187,8 @@ class AdaptivePolicy:
     _until_probe: int = field(init=False, default=0)
     _probe_turn: int = field(init=False, default=0)
     _drain_wait: int = field(init=False, default=0)
-    # the k of the step chosen last and of the one before it (None: no step chosen yet)
-    _step_k: int | None = field(init=False, default=None)
-    _previous_step_k: int | None = field(init=False, default=None)
+    # the k of the last cold_steps + 1 steps chosen, the last one's last (empty: no step chosen yet)
+    _recent_k: deque = field(init=False)
     _rng: random.Random = field(init=False)
     # per finished sequence, its E[k] over the long-run estimate's, k = 0..max_k (`record_finished`)
     _spread: deque = field(init=False)
@@ -204,9 +209,11 @@ class AdaptivePolicy:
             raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} must be > 0")
         if self.probe_interval < 1 or self.drain_interval < 1:
             raise ValueError("AdaptivePolicy: probe_interval and drain_interval must be >= 1")
-        if self.probe_steps < 2:
-            raise ValueError(f"AdaptivePolicy: probe_steps={self.probe_steps} must be >= 2 (a probe's first "
-                             f"step runs cold and is not timed)")
+        if self.cold_steps < 0 or self.probe_steps < self.cold_steps + 1:
+            raise ValueError(f"AdaptivePolicy: probe_steps={self.probe_steps} must be >= cold_steps + 1 = "
+                             f"{self.cold_steps + 1} (a probe's first {self.cold_steps} steps run cold and are "
+                             f"not timed), and cold_steps >= 0")
+        self._recent_k = deque(maxlen=self.cold_steps + 1)
         self._tries = [0.0] * self.max_k
         self._hits = [0.0] * self.max_k
         self._long_tries = [0.0] * self.max_k
@@ -253,11 +260,11 @@ class AdaptivePolicy:
     def record_step(self, k: int, batch_size: int, seconds: float) -> None:
         """The wall time of a step of `batch_size` decoding sequences at depth k (decode-only
         steps: a prompt chunk in the step would charge its prefill to k), the step `choose` gave k
-        last. Not timed when the step before it ran another depth (module docstring); steps
-        recorded without `choose` (the start-up's) are timed as given."""
+        last. Not timed when one of the `cold_steps` steps before it ran another depth (module
+        docstring); steps recorded without `choose` (the start-up's) are timed as given."""
         if not 0 <= k <= self.max_k or batch_size < 1 or seconds <= 0:
             return
-        if self._previous_step_k is not None and self._previous_step_k != k:
+        if any(earlier != k for earlier in self._recent_k):
             return
         bucket = batch_bucket(batch_size)
         key = (k, bucket)
@@ -454,7 +461,7 @@ class AdaptivePolicy:
         (called only on the steps that revise the choice, with batch_size taken for their number);
         with two or more, the k that finishes them soonest is chosen (module docstring)."""
         k = self._choose(batch_size, draining)
-        self._previous_step_k, self._step_k = self._step_k, k
+        self._recent_k.append(k)
         return k
 
     def _choose(self, batch_size: int, draining) -> int:
