@@ -190,8 +190,9 @@ class ScriptedDepth(RandomDepth):
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_steps_at_k0_keep_the_draft_cache_complete(kit, tiny_models, arch):
-    """A step that drafts nothing still writes the draft cache's keys for the position it makes final:
-    the first draft after such steps is the one a fixed-k engine (which drafts every step) proposes."""
+    """Steps that draft nothing leave the draft's keys out, and the next step that drafts writes them
+    first (ModelRunner._fill_draft_keys): its draft is the one a fixed-k engine (which drafts every
+    step) proposes."""
     from mtp_runtime.engine.config import EngineConfig
     from mtp_runtime.engine.llm_engine import LLMEngine
 

@@ -198,8 +198,9 @@ def test_mtp_head_and_embedding_equal_to_the_main_ones_are_shared(tmp_path, tiny
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "glm4_moe"])
 def test_write_keys_writes_exactly_the_cache_forward_writes(tiny_dirs, arch):
-    """Adaptive depth's k = 0 steps write the draft's keys without drafting (MtpDraft.write_keys, which
-    for MLA skips the query projections): the cache must hold what a full draft forward puts there."""
+    """The draft's keys-only pass (MtpDraft.write_keys, which for MLA skips the query projections:
+    prompt chunks, and the keys adaptive depth's k = 0 steps left out) must put in the cache what a
+    full draft forward puts there."""
     path = tiny_dirs[arch]
     model = load_model(path)
     draft = load_draft(path, model)
