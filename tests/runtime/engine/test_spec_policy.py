@@ -416,6 +416,31 @@ def test_a_closed_batch_s_choice_is_revised_every_drain_interval_steps():
     assert len(built) == 2
 
 
+def test_a_closed_batch_s_estimate_takes_a_small_share_of_the_steps_time():
+    """Steps of 10 us (far below the estimate's own cost): the choice is revised every 32 steps, not
+    every 4; steps of a second leave it at drain_interval."""
+    def revisions(scale):
+        policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6, drain_interval=4)
+        for k in (0, 1):
+            for b in (1, 2, 4):
+                policy.record_step(k, b, scale * (1.0 + 0.6 * k))
+        for _ in range(50):
+            policy.record_verify(1, 1)
+        built = []
+
+        def draining():
+            built.append(1)
+            return [(60, [20], [20])] * 4
+        for _ in range(64):
+            policy.choose(4, draining)
+        return len(built)
+
+    assert revisions(1.0) == 16
+    assert revisions(1e-5) == 2
+    with pytest.raises(ValueError, match="drain_budget"):
+        AdaptivePolicy(1, drain_budget=0)
+
+
 def test_a_batch_s_slow_tail_does_not_set_what_the_next_batch_s_sequences_are_expected_to_accept():
     policy = AdaptivePolicy(1, prior_weight=1e-9)
     for _ in range(100):  # a batch of sequences whose drafts agree
