@@ -38,12 +38,22 @@ Exploration: a policy at k = 0 that has seen no verify for hundreds of steps
 once; and every `probe_interval` steps (jittered, from `seed`, so runs
 repeat) the policy runs another k, in turn, so that every depth keeps being
 measured: when the draft turns bad the policy falls to k = 0, and the probes
-bring speculation back once it agrees again. A probe lasts `probe_steps` (3)
+bring speculation back once it agrees again. Probes cost: at batch 4, where
+k = 0 was best, an adaptive engine that held it ran ~10% below fixed k = 0
+with a probe of three steps every ~128 (the steps at the higher k, the cold
+steps on both sides, the fill of the draft keys left out). So the gap
+doubles after every probe that changed nothing, up to `probe_backoff` (4)
+times `probe_interval`; a change of depth, or a probe that moved its
+depth's cost by more than `probe_settled` (3%), sets it back. A probe lasts `probe_steps` (3)
 steps: its first ones run cold and are not timed, and at a higher k than the
 one before it verifies filler for the drafts the earlier step did not make
 (engine: `Sequence.num_real_drafts`; only real drafts are counted as
 evidence). A probe of a lower k only refreshes its cost and comes every
-fourth probe time.
+second probe time: the load factor, moved by the depth in use alone, also
+carries that depth's own drift (longer contexts, other prompts) to the
+depths below it, and at batch 4 the policy's k = 1 / k = 0 cost ratio fell
+to 1.6 where the steps measured 1.9, when a lower k was probed every fourth
+time.
 
 A closed batch (`choose(..., draining=...)`): when no request waits and none
 will arrive (the offline `LLM.generate`, once its last prompt is admitted),
@@ -162,6 +172,11 @@ class AdaptivePolicy:
     # steps between probes (jittered +-25%); each costs a few tokens (a step at the probed k, the next
     # one's filler), about 1% of the tokens at this interval
     probe_interval: int = 128
+    # the gap between probes doubles after each probe that changed nothing, up to this many times the
+    # interval; a change of depth, or a probe that moved its depth's cost by more than probe_settled,
+    # sets it back (module docstring)
+    probe_backoff: int = 4
+    probe_settled: float = 0.03
     probe_steps: int = 3
     cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
     switch_margin: float = 0.03
@@ -192,6 +207,8 @@ class AdaptivePolicy:
     _probe_k: int = field(init=False, default=0)
     _until_probe: int = field(init=False, default=0)
     _probe_turn: int = field(init=False, default=0)
+    _probe_scale: int = field(init=False, default=1)  # the probe interval's multiple now (probe_backoff)
+    _probe_moved: bool = field(init=False, default=True)  # a probe since the last probe time moved a cost
     _drain_wait: int = field(init=False, default=0)
     # the k of the last cold_steps + 1 steps chosen, the last one's last (empty: no step chosen yet)
     _recent_k: deque = field(init=False)
@@ -213,8 +230,8 @@ class AdaptivePolicy:
                              f"must lie in (0, 1]")
         if self.sequence_prior_weight <= 0:
             raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} must be > 0")
-        if self.probe_interval < 1 or self.drain_interval < 1:
-            raise ValueError("AdaptivePolicy: probe_interval and drain_interval must be >= 1")
+        if self.probe_interval < 1 or self.drain_interval < 1 or self.probe_backoff < 1:
+            raise ValueError("AdaptivePolicy: probe_interval, drain_interval and probe_backoff must be >= 1")
         if self.drain_budget <= 0:
             raise ValueError(f"AdaptivePolicy: drain_budget={self.drain_budget} must be > 0")
         if self.cold_steps < 0 or self.probe_steps < self.cold_steps + 1:
@@ -287,7 +304,10 @@ class AdaptivePolicy:
             # after step; what a probe tells is how this depth compares with it, so it moves this depth's
             # own cost, and fast: probes are rare, and the depths not in use are otherwise known only from
             # the start-up's dummy steps, which can be off by more than the margin between two depths.
+            before = cost.seconds
             cost.seconds += max(self.probe_cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
+            if abs(cost.seconds - before) > self.probe_settled * before:
+                self._probe_moved = True
             return
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
@@ -507,18 +527,22 @@ class AdaptivePolicy:
             current = scores[self._current]
             if best != self._current and scores[best] > current * (1 + self.switch_margin):
                 self._current = best
+                self._probe_scale = 1
         self._until_probe -= 1
         if self._until_probe <= 0:
+            # (a switch sets it back too)
+            self._probe_scale = 1 if self._probe_moved else min(2 * self._probe_scale, self.probe_backoff)
+            self._probe_moved = False
             self._until_probe = self._next_probe_gap()
             self._probe_turn += 1
             turn = self._probe_turn
             higher = list(range(self._current + 1, self.max_k + 1))
             lower = list(range(self._current))
-            # a higher k every time (its acceptance may have recovered); a lower k, whose cost is all
-            # there is to refresh (the load factor follows the machine meanwhile), every fourth time
-            if lower and (turn % 4 == 0 or not higher):
-                if turn % 4 == 0:
-                    return self._start_probe(lower[(turn // 4) % len(lower)])
+            # a higher k (its acceptance may have recovered) and a lower k, whose cost is all there is
+            # to refresh, in turn (module docstring)
+            if lower and (turn % 2 == 0 or not higher):
+                if turn % 2 == 0:
+                    return self._start_probe(lower[(turn // 2) % len(lower)])
             elif higher:
                 return self._start_probe(higher[turn % len(higher)])
         return self._current
@@ -528,8 +552,9 @@ class AdaptivePolicy:
         return k
 
     def _next_probe_gap(self) -> int:
-        spread = self.probe_interval // 4
-        return self.probe_interval + self._rng.randint(-spread, spread)
+        interval = self.probe_interval * self._probe_scale
+        spread = interval // 4
+        return interval + self._rng.randint(-spread, spread)
 
     def describe(self) -> dict:
         return {"speculative_policy": "adaptive", "num_speculative_tokens": self.max_k}
