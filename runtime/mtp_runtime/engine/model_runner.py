@@ -444,6 +444,12 @@ class ModelRunner:
     def _propose(self, batch: ScheduledBatch, hidden: torch.Tensor, qsl: list[int], slots: list[int],
                  new_tokens: list[list[int]], accepted: list[int]) -> None:
         """MTP drafting: one forward over the positions this step made final, then k-1 chained steps."""
+        k = batch.num_speculative_tokens
+        if not k:  # adaptive depth at k = 0: no draft work (execute), only filler for the next step to verify
+            for i, seq in enumerate(batch.seqs):
+                if batch.samples[i]:
+                    self._set_drafts(seq, [], None, new_tokens[i][-1])
+            return
         ids: list[int] = []
         rows: list[int] = []
         d_slots: list[int] = []
@@ -469,14 +475,8 @@ class ModelRunner:
         tables = [seq.block_table for seq in batch.seqs]
         meta = AttentionMetadata(d_qsl, d_context, tables, self._tensor(d_slots), self.block_size)
         args = (self._tensor(ids), hidden[self._tensor(rows)], self._tensor(rows_positions(meta)), self.draft_caches)
-        k = batch.num_speculative_tokens
         if not samplers:  # chunks of prompts still prefilling: their keys only, no attention or MLP
-            if k:  # (at adaptive depth's k = 0, not even those: execute)
-                self.draft.write_keys(*args, meta)
-            return
-        if not k:  # adaptive depth at k = 0: no keys (execute), and filler for the next step to verify
-            for seq, i in zip(samplers, [i for i in range(len(batch)) if batch.samples[i]]):
-                self._set_drafts(seq, [], None, new_tokens[i][-1])
+            self.draft.write_keys(*args, meta)
             return
         padded = meta.decode_batch()
         if self.draft.graph_enabled and padded is not None and padded.n <= k + 1:

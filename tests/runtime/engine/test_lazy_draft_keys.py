@@ -8,6 +8,7 @@ import torch
 
 from mtp_runtime.engine.config import EngineConfig
 from mtp_runtime.engine.llm_engine import LLMEngine
+from mtp_runtime.engine.spec_policy import AdaptivePolicy
 from mtp_runtime.layers.attention import gather_cache
 
 ARCHS = ("deepseek_v3", "deepseek_v32", "glm4_moe")
@@ -15,29 +16,17 @@ SETTINGS = dict(max_model_len=96, block_size=4, max_seqs_per_batch=8, max_tokens
 PROMPT = [5 + (i * 37) % 400 for i in range(13)]
 
 
-class Scripted:
-    """A policy (engine/spec_policy.py's interface) whose k per step comes from a list (then its last)."""
-
-    adaptive = True
+class Scripted(AdaptivePolicy):
+    """The adaptive policy, its evidence kept as usual, but each step's k comes from a list (then its
+    last)."""
 
     def __init__(self, ks: list[int]):
+        super().__init__(max(ks))
         self.ks, self.chosen = list(ks), []
 
     def choose(self, batch_size: int, draining=None) -> int:
         self.chosen.append(self.ks[min(len(self.chosen), len(self.ks) - 1)])
         return self.chosen[-1]
-
-    def record_step(self, k, batch_size, seconds) -> None:
-        pass
-
-    def record_verifies(self, verifies) -> None:
-        pass
-
-    def record_finished(self, tried, accepted) -> None:
-        pass
-
-    def end_step(self) -> None:
-        pass
 
 
 class Recorder:
