@@ -212,6 +212,7 @@ class LLMEngine:
             self._time_dummy_steps(reps)
         finally:
             self.runner.on_step = on_step
+            self.runner.take_draft_pass()  # the dummy steps' draft passes are no prompt's
         self._policy_seeded = True
         self.policy_warm_up_s = time.perf_counter() - start
         log.info("adaptive depth: step costs at k = 0..%d measured in %.1fs", self.config.num_speculative_tokens,
@@ -226,14 +227,18 @@ class LLMEngine:
         # step after step.
         turns = getattr(self.policy, "cold_steps", 0) + 1
         for b in bucket_sizes(self.config.max_seqs_per_batch):
+            timed: dict[int, list[float]] = {k: [] for k in self.runner.step_depths()}
             for rep in range(reps + 1):
-                for k in self.runner.step_depths():
+                for k in timed:
                     for turn in range(turns):
                         batch = self._dummy_batch(b, k, turns * rep + turn)
                         t0 = time.perf_counter()
                         self.runner.execute(batch)
                         if rep and turn == turns - 1:  # the first repeat of each shape may pay one-off costs
-                            self.policy.record_step(k, b, time.perf_counter() - t0)
+                            timed[k].append(time.perf_counter() - t0)
+            for k, seconds in timed.items():
+                if seconds:
+                    self.policy.seed_step_cost(k, b, seconds)
 
     def _dummy_batch(self, b: int, k: int, variant: int) -> ScheduledBatch:
         """A decode step of b sequences at depth k with 48 cached tokens each, in blocks no sequence
@@ -255,6 +260,13 @@ class LLMEngine:
             seqs.append(seq)
         return ScheduledBatch(seqs, [1] * b, [k] * b, [True] * b, num_speculative_tokens=k)
 
+    @staticmethod
+    def _unseen_positions(seq: Sequence) -> int:
+        """Positions of `seq` the draft has not passed over: the keys steps at k = 0 left out, and the
+        prompt still to prefill (its last position is drafted from, not passed over)."""
+        gap = seq.num_cached_tokens - seq.draft_keys_from if seq.draft_keys_from is not None else 0
+        return gap + max(0, seq.num_uncached_tokens - 1)
+
     def _choose_depth(self, batch: ScheduledBatch) -> list[bool]:
         """Ask the policy for this step's k and cut every verifying sequence's drafts to it; returns
         which rows decode (they verified drafts before the cut)."""
@@ -267,7 +279,7 @@ class LLMEngine:
 
             def draining():  # built only on the steps the policy revises a drain's choice
                 return [(seq.max_output_tokens - seq.num_output_tokens, seq.tried_per_position,
-                         seq.accepted_per_position) for seq in running]
+                         seq.accepted_per_position, self._unseen_positions(seq)) for seq in running]
         k = self.policy.choose(max(1, sum(batch.samples)), draining)
         batch.num_speculative_tokens = k
         batch.num_real_drafts = []
@@ -314,11 +326,13 @@ class LLMEngine:
                 self._requests.pop(seq.request_id, None)
                 if self.policy.adaptive:
                     self.policy.record_finished(seq.tried_per_position, seq.accepted_per_position)
+                    self.policy.record_request(seq.num_prompt_tokens, seq.num_output_tokens)
         if self.policy.adaptive:
             # The model step's time, as the start-up's dummy steps are timed (the host's scheduling,
             # update and outputs, about 50 us a step at batch 1 whatever the k, are left out of both)
             if all(decoding) and all(c == 1 for c in batch.num_chunk_tokens):
                 self.policy.record_step(k, len(batch), now - start)
+            self.policy.record_draft_pass(*self.runner.take_draft_pass())
             self.policy.end_step()
         return outputs
 

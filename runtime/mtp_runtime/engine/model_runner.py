@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import numpy as np
 import psutil
@@ -124,6 +125,8 @@ class ModelRunner:
         self.graph_warm_up_by_k: dict[int, float] = {}  # seconds compiling each k's one-call step
         self.on_step = None  # called with each step's k before its model calls (multi-node: into the plans)
         self.draft_keys_filled = 0  # draft keys written late, for positions steps at k = 0 made final
+        # adaptive depth: the draft's passes outside decode steps since take_draft_pass (prompts, fills)
+        self._draft_pass = [0, 0.0]  # positions, seconds
         self.graph_warm_up_s = self._warm_up_graphs() if self.graph_enabled else 0.0
 
     def swap_draft(self, draft) -> None:
@@ -331,8 +334,27 @@ class ModelRunner:
 
         new_tokens, accepted = self._sample(batch, hidden, qsl)
         if self.draft is not None:
+            # adaptive depth charges the draft's pass over a prompt to speculating (engine/spec_policy.py)
+            prompt = bool(self.hidden_caches) and batch.num_speculative_tokens > 0 and \
+                any(chunk > 1 for chunk in batch.num_chunk_tokens)
+            started = time.perf_counter()
             self._propose(batch, hidden, qsl, slots, new_tokens, accepted)
+            if prompt:
+                self._count_draft_pass(sum(batch.num_chunk_tokens) + sum(accepted), started)
         return new_tokens, accepted
+
+    def _count_draft_pass(self, positions: int, started: float) -> None:
+        if self.device.type != "cpu":  # the pass's kernels may still be running
+            torch.accelerator.synchronize()
+        self._draft_pass[0] += positions
+        self._draft_pass[1] += time.perf_counter() - started
+
+    def take_draft_pass(self) -> tuple[int, float]:
+        """Positions the draft passed over outside decode steps (a prompt's pass at k > 0, a fill), and
+        the seconds it took, since the last call."""
+        positions, seconds = self._draft_pass
+        self._draft_pass = [0, 0.0]
+        return positions, seconds
 
     def _is_greedy_decode_row(self, batch: ScheduledBatch, i: int) -> bool:
         """Sequence i of the batch decodes (its one uncached token plus k drafts) and samples greedily."""
@@ -524,12 +546,14 @@ class ModelRunner:
             tables.append(seq.block_table)
         if not ids:
             return
+        started = time.perf_counter()
         slot_mapping = self._tensor(slots)
         meta = AttentionMetadata(qsl, context_lens, tables, slot_mapping, self.block_size)
         hidden = gather_cache(self.hidden_caches[0]["hidden"], slot_mapping)
         with self._step_threads(self.threads_for(len(ids))):
             self.draft.write_keys(self._tensor(ids), hidden, self._tensor(positions), self.draft_caches, meta)
         self.draft_keys_filled += len(ids)
+        self._count_draft_pass(len(ids), started)
 
     def _draft_token(self, seqs: list[Sequence], h: torch.Tensor, probs: list[torch.Tensor]) -> torch.Tensor:
         """Next draft token per sequence [B]: the argmax, or a draw from the draft's distribution q

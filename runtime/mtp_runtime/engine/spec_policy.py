@@ -93,12 +93,34 @@ is the mean over `drain_samples` draws (a fixed set, so the choice repeats)
 of each sequence's steps from that spread, sorted, each stretch between two
 finishes costed at the number still running. At k = 0 every step gains
 exactly one token: no spread.
+
+Speculating costs more than its steps: at k > 0 the draft passes over every
+prompt (its keys, and the first drafts from the last position), and after
+steps at k = 0 the next step that drafts first fills the keys they left out.
+On the bench preset a prompt's pass cost 41 us a position at batch 1 (3 ms
+for a 64-token prompt, against a k = 3 step of 0.9 ms) and 12-17 us at batch
+4: prefill ran 82 us a token at k = 3 against 65 at k = 0, and at batch 4,
+where a k = 1 step's tokens per second tie k = 0's, that made every fixed k
+lose to k = 0. The runner times these passes (`record_draft_pass`: seconds
+per position, a ratio of decayed sums), the engine reports each finished
+request's prompt and output lengths (`record_request`), and the policy
+charges k > 0 the pass over the prompts to come, E[k] x (prompt positions per
+output token) positions per sequence and step; a closed batch, whose prompts
+are all in, is charged the positions of its sequences the draft has not
+passed over yet (a prompt still to prefill, keys left out at k = 0).
+
+Timings are noisy: the start-up seeds each cost with the median of its dummy
+steps (their mean let one slow step of five make k = 0 at batch 4 look 1.7
+times its cost, and the policy speculated where k = 0 was 15% faster), and a
+step more than `outlier_ratio` (1.5) times off its estimate moves it as one
+1.5 times off does.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -180,6 +202,7 @@ class AdaptivePolicy:
     probe_steps: int = 3
     cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
     switch_margin: float = 0.03
+    outlier_ratio: float = 1.5  # a step time moves its estimate as one at most this many times off it does
     prior_acceptance: float = 0.5  # p_1 before any evidence (p_j's: p_{j-1}'s estimate), weight prior_weight (verifies)
     prior_weight: float = 0.1
     # a sequence's own verifies that weigh as much as the policy's estimate in its acceptance (closed batches)
@@ -190,6 +213,9 @@ class AdaptivePolicy:
     drain_budget: float = 0.02
     spread_window: int = 64  # finished sequences whose acceptance gives a closed batch's spread
     drain_samples: int = 64  # draws of each sequence's steps to finish a closed batch (module docstring)
+    # what drafting costs beside the decode steps: the draft's pass over each prompt (module docstring)
+    draft_pass_smoothing: float = 0.2  # per pass, the decay of the earlier ones' positions and seconds
+    request_decay: float = 0.95  # per finished request, for the prompt tokens drafted per output token
     seed: int = 0
     adaptive = True
     # Decayed counts, stored scaled: a count is the stored value / its scale. Decaying every count each
@@ -217,6 +243,10 @@ class AdaptivePolicy:
     _spread: deque = field(init=False)
     _drain_noise: dict = field(init=False, default_factory=dict)  # batch size -> [drain_samples, n] N(0, 1)
     _odd: np.ndarray = field(init=False)  # 2j - 1 for j = 1..max_k
+    _pass_positions: float = field(init=False, default=0.0)  # decayed sums over the draft's passes
+    _pass_seconds: float = field(init=False, default=0.0)
+    _prompt_tokens: float = field(init=False, default=0.0)  # decayed sums over finished requests
+    _output_tokens: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_k, int) or self.max_k < 1:
@@ -232,6 +262,8 @@ class AdaptivePolicy:
             raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} must be > 0")
         if self.probe_interval < 1 or self.drain_interval < 1 or self.probe_backoff < 1:
             raise ValueError("AdaptivePolicy: probe_interval, drain_interval and probe_backoff must be >= 1")
+        if self.outlier_ratio <= 1:
+            raise ValueError(f"AdaptivePolicy: outlier_ratio={self.outlier_ratio} must be > 1")
         if self.drain_budget <= 0:
             raise ValueError(f"AdaptivePolicy: drain_budget={self.drain_budget} must be > 0")
         if self.cold_steps < 0 or self.probe_steps < self.cold_steps + 1:
@@ -243,6 +275,9 @@ class AdaptivePolicy:
         self._hits = [0.0] * self.max_k
         self._long_tries = [0.0] * self.max_k
         self._long_hits = [0.0] * self.max_k
+        if not 0 < self.draft_pass_smoothing <= 1 or not 0 < self.request_decay <= 1:
+            raise ValueError(f"AdaptivePolicy: draft_pass_smoothing={self.draft_pass_smoothing} and "
+                             f"request_decay={self.request_decay} must lie in (0, 1]")
         if self.drain_samples < 1:
             raise ValueError(f"AdaptivePolicy: drain_samples={self.drain_samples} must be >= 1")
         if self.spread_window < 0:
@@ -299,6 +334,10 @@ class AdaptivePolicy:
             self._costs[key] = _Cost(seconds / load)
             return
         cost.samples += 1
+        # A step that ran far from its estimate (a pause of the process, another job's burst on its
+        # core) moves it as one 1.5 times off would: one such step made a depth look 50% dearer.
+        expected = cost.seconds * load
+        seconds = min(max(seconds, expected / self.outlier_ratio), expected * self.outlier_ratio)
         if k != self._current:
             # A probe (or a warm-up step at another depth): the load is the depth in use's to follow, step
             # after step; what a probe tells is how this depth compares with it, so it moves this depth's
@@ -313,6 +352,42 @@ class AdaptivePolicy:
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
         # then the k's own cost at unit load: the mean of its first samples, then a slow EMA
         cost.seconds += max(self.cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
+
+    def seed_step_cost(self, k: int, batch_size: int, seconds: list[float]) -> None:
+        """The start-up's timings of dummy steps at depth k and this batch size: their median is the
+        cost (their mean let one slow step, of five, make k = 0 at batch 4 look 1.7 times its cost)."""
+        if not 0 <= k <= self.max_k or batch_size < 1 or not seconds or min(seconds) <= 0:
+            raise ValueError(f"AdaptivePolicy.seed_step_cost: k={k} (0..{self.max_k}), batch size {batch_size} "
+                             f"and {len(seconds)} timings, all > 0, are needed")
+        bucket = batch_bucket(batch_size)
+        self._costs[(k, bucket)] = _Cost(statistics.median(seconds) / self._load.setdefault(bucket, 1.0),
+                                         len(seconds))
+
+    def record_draft_pass(self, positions: int, seconds: float) -> None:
+        """The draft's pass over `positions` positions it had not seen, outside the decode steps: a
+        prompt's (its keys, and the first drafts from its last position) or the fill of the keys that
+        steps at k = 0 left out (ModelRunner.take_draft_pass). Its cost per position is the ratio of
+        decayed sums, so that a small pass, mostly fixed costs, counts for its few positions only."""
+        if positions < 1 or seconds <= 0:
+            return
+        keep = 1.0 - self.draft_pass_smoothing
+        self._pass_positions = self._pass_positions * keep + positions
+        self._pass_seconds = self._pass_seconds * keep + seconds
+
+    def record_request(self, prompt_tokens: int, output_tokens: int) -> None:
+        """A finished request's prompt and output lengths: how many prompt positions the draft must
+        pass over per token decoded (module docstring)."""
+        if prompt_tokens < 0 or output_tokens < 1:
+            return
+        self._prompt_tokens = self._prompt_tokens * self.request_decay + prompt_tokens
+        self._output_tokens = self._output_tokens * self.request_decay + output_tokens
+
+    def draft_pass_seconds(self) -> tuple[float, float]:
+        """(seconds per position of the draft's pass over a prompt or a fill, prompt positions per
+        output token); 0 where not measured yet."""
+        ratio = self._prompt_tokens / self._output_tokens if self._output_tokens else 0.0
+        position = self._pass_seconds / self._pass_positions if self._pass_positions else 0.0
+        return position, ratio
 
     def end_step(self) -> None:
         """Once per engine step, after its evidence: older counts weigh less."""
@@ -392,9 +467,15 @@ class AdaptivePolicy:
         return out
 
     def scores(self, batch_size: int) -> list[float | None]:
-        """Expected tokens per second at each depth (None: no cost measured yet)."""
+        """Expected tokens per second of each sequence at each depth (None: no cost measured yet). At
+        k > 0 the draft's pass over the prompts of the requests to come is charged per token: a
+        sequence's E[k] tokens of a step bring E[k] x (prompt positions per output token) positions
+        of it (module docstring)."""
         costs = self.step_costs(batch_size)
-        return [None if c is None else e / c for e, c in zip(self.expected_tokens_by_depth(), costs)]
+        position, ratio = self.draft_pass_seconds()
+        per_token = batch_size * position * ratio
+        return [None if c is None else e / (c + (per_token * e if k else 0.0))
+                for k, (e, c) in enumerate(zip(self.expected_tokens_by_depth(), costs))]
 
     def sequence_expected_tokens(self, tried: list[int], accepted: list[int],
                                  acceptance: list[float] | None = None) -> list[float]:
@@ -427,11 +508,11 @@ class AdaptivePolicy:
         """E_i[k] for k = 0..max_k of every running sequence: its own estimate (shrunk towards `p`),
         moved towards the quantile of the finished sequences' ratios that its rank among the running
         ones gives, by the share of the prior in its estimate."""
-        own = [self.sequence_expected_tokens(t, a, p) for _, t, a in draining]
+        own = [self.sequence_expected_tokens(t, a, p) for _, t, a, *_ in draining]
         if len(self._spread) < 8:
             return own
         w = self.sequence_prior_weight
-        unsure = [w / ((t[0] if t else 0) + w) for _, t, _ in draining]
+        unsure = [w / ((t[0] if t else 0) + w) for _, t, *_ in draining]
         n = len(own)
         out = [list(e) for e in own]
         for k in range(1, self.max_k + 1):
@@ -445,10 +526,11 @@ class AdaptivePolicy:
     def drain_scores(self, draining) -> list[float | None]:
         """For a closed batch (module docstring): tokens per second until every running sequence is done,
         at each depth held from now on (None: no cost measured yet). `draining`: (tokens left, tried
-        per position, accepted per position) of every running sequence."""
+        per position, accepted per position[, positions the draft has not passed over]) of every
+        running sequence; at k > 0 the draft's pass over those positions is charged (module docstring)."""
         p = self.long_run_acceptance()
         e = np.array(self._spread_tokens(draining, p)).T  # [k, sequence]: E_i[k]
-        left = np.array([max(0, r) for r, _, _ in draining], dtype=float)
+        left = np.array([max(0, r) for r, *_ in draining], dtype=float)
         n = len(left)
         buckets = [batch_bucket(b) for b in range(1, n + 1)]
         table = {b: self.step_costs(b) for b in set(buckets)}  # each bucket's costs looked up once
@@ -475,6 +557,8 @@ class AdaptivePolicy:
         running = np.array([[table[b][k] for b in reversed(buckets)] for k in measured])  # [k, m]: c_m
         running[:, :-1] -= running[:, 1:]
         seconds = (finish * running).sum(axis=1)
+        unseen = sum(d[3] for d in draining if len(d) > 3) * self.draft_pass_seconds()[0]
+        seconds += np.array([unseen if k else 0.0 for k in measured])
         total = float(left.sum())
         for k, sec in zip(measured, seconds.tolist()):
             out[k] = total / sec if sec > 0 else float("inf")

@@ -94,6 +94,8 @@ def test_keys_left_out_at_k0_are_written_by_the_next_drafting_step_as_a_fixed_k_
         assert gap == {"r": 0}  # the gap starts at the prompt's first position
     # the first step at k = 2 wrote the prompt's 13 keys and the five decodes'
     assert runner.draft_keys_filled == len(PROMPT) + 5
+    # the fill is the draft's only pass outside decode steps here: the policy charges it to speculating
+    assert adaptive.policy._pass_positions == len(PROMPT) + 5 and adaptive.policy.draft_pass_seconds()[0] > 0
     assert seen.steps[6][1] == {"r": None}
     # and every key the draft holds for the request is the fixed-k engine's (positions 0..L-2 are final)
     final = len(PROMPT) + 20 - 1

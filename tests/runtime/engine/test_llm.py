@@ -160,8 +160,8 @@ def test_generate_tells_adaptive_depth_when_its_batch_is_closed(tiny_models):
 
     def recording(batch_size, draining=None):  # every step verifies one draft, so sequences have a record
         # (the engine hands a function that reads the running sequences' records when called)
-        calls.append((len(engine.scheduler.waiting), draining and [(left, list(tried), list(hit))
-                                                                   for left, tried, hit in draining()]))
+        calls.append((len(engine.scheduler.waiting), draining and [(left, list(tried), list(hit), unseen)
+                                                                   for left, tried, hit, unseen in draining()]))
         return 1
     engine.policy.choose = recording
     outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12], [13]], SamplingParams(temperature=0, max_tokens=10,
@@ -171,14 +171,36 @@ def test_generate_tells_adaptive_depth_when_its_batch_is_closed(tiny_models):
     closed = [d for waiting, d in calls if not waiting]
     assert closed and all(d is not None and 1 <= len(d) <= 2 for d in closed)
     assert all(0 <= left <= 10 and len(tried) == len(hit) and all(h <= t for h, t in zip(hit, tried))
-               for d in closed for left, tried, hit in d)
-    assert any(sum(tried) > 0 for d in closed for _, tried, _ in d)  # verifies so far are counted
+               for d in closed for left, tried, hit, _ in d)
+    assert any(sum(tried) > 0 for d in closed for _, tried, _, _ in d)  # verifies so far are counted
+    # every step drafts (k = 1): no key is left out, and a prompt (3 tokens at most) is drafted whole
+    assert all(0 <= unseen <= 2 for d in closed for *_, unseen in d)
     assert [len(o.token_ids) for o in outs] == [10] * 4
     calls.clear()
     engine.add_request("direct", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     assert calls and all(d is None for _, d in calls)
+
+
+def test_the_positions_the_draft_has_not_passed_over_are_a_prompt_to_prefill_and_the_keys_left_out():
+    """What a closed batch's policy charges a switch to k > 0 for (engine/spec_policy.py): the prompt
+    still to prefill (but its last position, which is drafted from) and the keys that steps at k = 0
+    left out."""
+    from mtp_runtime.engine.llm_engine import LLMEngine
+    from mtp_runtime.engine.sequence import Sequence
+
+    seq = Sequence("r", list(range(10)), SamplingParams(max_tokens=8), 64)
+    assert LLMEngine._unseen_positions(seq) == 9
+    seq.num_cached_tokens = 6  # a chunk of the prompt is in; its keys were written as it went
+    assert LLMEngine._unseen_positions(seq) == 3
+    seq.num_cached_tokens = 10
+    seq.token_ids.append(42)  # decoding at k > 0: every position seen
+    assert LLMEngine._unseen_positions(seq) == 0
+    seq.draft_keys_from = 10  # then steps at k = 0 made positions 10 .. 13 final
+    seq.num_cached_tokens = 14
+    seq.token_ids += [43, 44, 45, 46]
+    assert LLMEngine._unseen_positions(seq) == 4
 
 
 def test_a_sequence_counts_the_verifies_that_reached_each_draft():

@@ -12,6 +12,7 @@ import pytest
 
 from mtp_runtime.engine.aot_step import AotDecodeStep
 from mtp_runtime.engine.graph_step import ONE_CALL_ARCHS
+from mtp_runtime.engine.spec_policy import AdaptivePolicy
 from mtp_runtime.sampling_params import SamplingParams
 
 ARCHS = ("deepseek_v3", "deepseek_v32", "glm4_moe")
@@ -128,29 +129,16 @@ def test_graph_mode_is_refused_for_v32(kit, tiny_models):
         kit.make_engine(tiny_models["deepseek_v32"], 1, enable_graph=True)
 
 
-class RandomDepth:
-    """A policy (engine/spec_policy.py's interface) that picks k in 0..max_k at random every step."""
-
-    adaptive = True
+class RandomDepth(AdaptivePolicy):
+    """The adaptive policy, its evidence kept as usual, but k in 0..max_k is picked at random every step."""
 
     def __init__(self, max_k: int, seed: int):
-        self.max_k, self.rng, self.chosen = max_k, random.Random(seed), []
+        super().__init__(max_k)
+        self.rng, self.chosen = random.Random(seed), []
 
     def choose(self, batch_size: int, draining=None) -> int:
         self.chosen.append(self.rng.randint(0, self.max_k))
         return self.chosen[-1]
-
-    def record_step(self, k, batch_size, seconds) -> None:
-        pass
-
-    def record_verifies(self, verifies) -> None:
-        pass
-
-    def record_finished(self, tried, accepted) -> None:
-        pass
-
-    def end_step(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("scenario", ["mixed-chunked-prefix", "preemption"])

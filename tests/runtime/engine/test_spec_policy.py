@@ -534,3 +534,67 @@ def test_probes_that_change_nothing_come_less_often_until_something_changes():
     assert chosen[-100:].count(0) >= 85
     with pytest.raises(ValueError, match="probe_backoff"):
         AdaptivePolicy(1, probe_backoff=0)
+
+
+def test_the_draft_s_pass_over_the_prompts_to_come_is_charged_to_speculating():
+    """Bench preset, batch 4: a k = 1 step gains 1.9 tokens for 1.6 of a k = 0 step's cost, a win of
+    19% per step, but at k > 0 every prompt is passed over by the draft too (41 us a position at batch
+    1, 12-17 at batch 4, against a decode step of 0.6-1 ms). With as many prompt positions as output
+    tokens and 60 us a position, k = 1 costs 1.6 + 4 x 1.9 x 0.06 = 2.06 for 1.9 tokens: k = 0 wins."""
+    policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6), lambda k, b: 1.0 + 0.6 * k)
+    for _ in range(50):
+        policy.record_verify(1, 1)
+        policy.record_verify(1, 1)
+        policy.record_verify(1, 1)
+        policy.record_verify(1, 1)
+        policy.record_verify(1, 0)
+    for _ in range(8):
+        policy.record_verify(1, 1)  # p = 0.9 (to 2 digits)
+    assert policy.choose(4) == 1
+    policy.record_draft_pass(256, 256 * 0.06)  # four 64-token prompts
+    policy.record_draft_pass(4, 0.03)  # a small fill, mostly fixed costs, counts for its 4 positions
+    assert policy.draft_pass_seconds()[0] == pytest.approx((256 * 0.06 * 0.8 + 0.03) / (256 * 0.8 + 4))
+    assert policy.choose(4) == 1  # no request finished yet: no prompt to come is known
+    for _ in range(10):
+        policy.record_request(64, 64)
+    position, per_token = policy.draft_pass_seconds()
+    assert per_token == pytest.approx(1.0)
+    e = policy.expected_tokens(1)
+    assert policy.scores(4)[1] == pytest.approx(e / (1.6 + 4 * e * position))
+    assert policy.scores(4)[0] == pytest.approx(1.0)
+    assert policy.choose(4) == 0
+    assert policy.choose(1) == 1  # at batch 1 the pass is shared by fewer tokens' steps: 1.9 / 1.71
+
+
+def test_a_closed_batch_charges_the_positions_the_draft_has_not_passed_over_to_k_above_0():
+    policy = _closed_batch_policy(drain_interval=1)
+    policy.record_draft_pass(1000, 1000 * 0.01)  # k = 1: ~50 s of steps and 20 s of passes, k = 0: 60 s
+    seen = [(60, [20], [20], 0)] * 32
+    unseen = [(60, [20], [20], 64)] * 32  # prompts to prefill, or keys left out at k = 0
+    at_k0, at_k1 = policy.drain_scores(seen)
+    assert policy.drain_scores([d[:3] for d in seen]) == [at_k0, at_k1]
+    charged = policy.drain_scores(unseen)
+    assert charged[0] == at_k0
+    assert 60 * 32 / charged[1] == pytest.approx(60 * 32 / at_k1 + 32 * 64 * 0.01)
+    assert policy.choose(32, seen) == 1 and policy.choose(32, unseen) == 0
+
+
+def test_one_step_far_off_its_estimate_moves_it_as_one_1_5_times_off():
+    policy = _seeded(AdaptivePolicy(1, probe_interval=10**6), lambda k, b: 1.0 + k)  # one sample each
+    policy._recent_k.extend([0, 0, 0])
+    policy.record_step(0, 4, 10.0)  # a pause of the process: counted as 1.5
+    load = 1.0 + 0.3 * (1.5 - 1.0)
+    assert policy.cost(0, 4) == pytest.approx(load * (1.0 + 0.5 * (1.5 / load - 1.0)))  # unzipped: 6.85
+    policy._recent_k.extend([1, 1, 1])
+    policy.record_step(1, 4, 0.01)  # a probe's step, far too fast: counted as 2.0 x load / 1.5
+    assert policy._costs[(1, 4)].seconds == pytest.approx(2.0 + 0.5 * (2.0 / 1.5 - 2.0))
+
+
+def test_the_start_up_seeds_each_cost_with_the_median_of_its_timings():
+    policy = AdaptivePolicy(2)
+    policy.seed_step_cost(0, 3, [1.0, 1.1, 0.9, 1.0, 5.0])  # one slow step of five
+    assert policy.cost(0, 4) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="seed_step_cost: k=3"):
+        policy.seed_step_cost(3, 4, [1.0])
+    with pytest.raises(ValueError, match="all > 0"):
+        policy.seed_step_cost(1, 4, [])
