@@ -543,13 +543,8 @@ def test_the_draft_s_pass_over_the_prompts_to_come_is_charged_to_speculating():
     tokens and 60 us a position, k = 1 costs 1.6 + 4 x 1.9 x 0.06 = 2.06 for 1.9 tokens: k = 0 wins."""
     policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6), lambda k, b: 1.0 + 0.6 * k)
     for _ in range(50):
-        policy.record_verify(1, 1)
-        policy.record_verify(1, 1)
-        policy.record_verify(1, 1)
-        policy.record_verify(1, 1)
-        policy.record_verify(1, 0)
-    for _ in range(8):
-        policy.record_verify(1, 1)  # p = 0.9 (to 2 digits)
+        policy.record_verifies([(1, 1)] * 4 + [(1, 0)])
+    policy.record_verifies([(1, 1)] * 8)  # p = 0.9 (to 2 digits)
     assert policy.choose(4) == 1
     policy.record_draft_pass(256, 256 * 0.06)  # four 64-token prompts
     policy.record_draft_pass(4, 0.03)  # a small fill, mostly fixed costs, counts for its 4 positions
