@@ -96,6 +96,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=9,
                    help="runs per point: medians of the figures, and of the ratios within each run")
     p.add_argument("--threads", type=int, default=1, help="torch threads, the same for every system")
+    p.add_argument("--device", default="cpu", help="our engine's device (cpu, cuda[:i], npu[:i]); transformers "
+                                                   "runs on the CPU")
+    p.add_argument("--dtype", default="float32", help="our engine's dtype (float32, bfloat16, float16)")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--in-process", action="store_true",
                    help="every system in this process, built one after another (module docstring); the "
@@ -131,11 +134,11 @@ class EngineSystem:
     """Our engine with k drafts per step (k = 0: plain decoding)."""
 
     def __init__(self, model_dir: str, k: int, max_model_len: int, max_batch: int, enable_graph: bool = False,
-                 adaptive: bool = False):
+                 adaptive: bool = False, device: str = "cpu", dtype: str = "float32"):
         self.k = k
         self.llm = LLM(model_dir, num_speculative_tokens=k, max_model_len=max_model_len,
                        max_seqs_per_batch=max_batch, enable_prefix_cache=False, enable_graph=enable_graph,
-                       speculative_adaptive=adaptive)
+                       speculative_adaptive=adaptive, device=device, dtype=dtype)
         self.compile_s = self.llm.engine.runner.graph_warm_up_s + self.llm.engine.policy_warm_up_s
         self.chosen: list[int] = []  # each step's k
         engine_step = self.llm.engine.step
@@ -472,13 +475,15 @@ def main() -> None:
                                 seed=0)
         max_model_len = args.prompt_len + args.max_tokens + 8
         specs = {} if args.no_transformers else {"transformers": ("transformers", (model_dir,))}
+        placed = (args.device, args.dtype)
         if args.enable_graph:
-            specs["k=0 eager"] = ("engine", (model_dir, 0, max_model_len, max(batches)))
-        specs.update({f"k={k}": ("engine", (model_dir, k, max_model_len, max(batches), args.enable_graph))
+            specs["k=0 eager"] = ("engine", (model_dir, 0, max_model_len, max(batches), False, False, *placed))
+        specs.update({f"k={k}": ("engine", (model_dir, k, max_model_len, max(batches), args.enable_graph, False,
+                                            *placed))
                       for k in ks})
         if args.adaptive:
             specs[f"adaptive K={args.adaptive}"] = ("engine", (model_dir, args.adaptive, max_model_len, max(batches),
-                                                               args.enable_graph, True))
+                                                               args.enable_graph, True, *placed))
         if args.in_process:
             runners = {name: LocalSystem(name, kind, sargs) for name, (kind, sargs) in specs.items()}
         else:

@@ -199,7 +199,7 @@ class GreedyDecodeStep:
                                       [(i * width + j) % num_blocks for j in range(width)], width) for i in range(b)]
                     self(torch.tensor(rows, dtype=torch.long, device=device), main_caches, draft_caches)
         except Exception as exc:
-            raise compile_failure("the decode step", exc) from exc
+            raise compile_failure("the decode step", exc, str(device)) from exc
         finally:
             torch.set_num_threads(own)
         self._warm = True

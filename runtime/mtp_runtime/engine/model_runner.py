@@ -147,7 +147,7 @@ class ModelRunner:
         with torch.inference_mode():
             if self.graph_enabled:
                 draft.enable_graph()
-                warm_up(draft, self._run_draft_dummy, self.k)
+                warm_up(draft, self._run_draft_dummy, self.k, self.config.device)
             for k, step in list(self.decode_steps.items()):
                 if not isinstance(step, AotDecodeStep):
                     self.decode_steps[k] = GreedyDecodeStep(self.main, draft, k, self.block_size,
@@ -203,9 +203,9 @@ class ModelRunner:
         for them."""
         before = CompileCounts.now()
         with torch.inference_mode():
-            seconds = warm_up(self.main, self._run_main_dummy, self.k)
+            seconds = warm_up(self.main, self._run_main_dummy, self.k, self.config.device)
             if self.draft is not None:
-                seconds += warm_up(self.draft, self._run_draft_dummy, self.k)
+                seconds += warm_up(self.draft, self._run_draft_dummy, self.k, self.config.device)
             for k in list(self.decode_steps):
                 self.graph_warm_up_by_k[k] = self._warm_up_decode_step(k)
                 seconds += self.graph_warm_up_by_k[k]

@@ -16,7 +16,10 @@ start-up so a server is ready only once its graphs exist.
 Graph mode is the default (`resolve_graph`): `--enable_graph` / `enable_graph`
 unset means "where it can run": on CPU that takes a C++ compiler (without one,
 the engine runs eager after one warning), and some models and multi-node
-groups always run eager. inductor's compiled code is cached on disk
+groups always run eager. CUDA devices run eager unless graph mode is asked
+for: on an H200 (torch 2.11) the compiled decode step failed its start-up
+with an index assert inside a generated kernel, where the same step run
+eagerly passes (runtime/README.md); `enable_graph=true` still tries it. inductor's compiled code is cached on disk
 (`compile_cache_dir`), so a second start of the same model and settings
 compiles nothing; `CompileCounts` says how much each start compiled.
 """
@@ -99,6 +102,11 @@ def resolve_graph(requested: bool | None, arch: str, device: str) -> GraphDecisi
             raise ValueError("enable_graph: not supported on npu devices in this build; run with "
                              "enable_graph=false (--enable_graph=false)")
         return GraphDecision(False, "eager (npu devices run eager in this build)")
+    if device.startswith("cuda"):
+        if not requested:
+            return GraphDecision(False, "eager (cuda devices run eager unless enable_graph=true in this build)")
+        log.warning("graph mode on %s is experimental in this build: its compiled decode step failed its "
+                    "start-up on an H200; if it fails here, run with enable_graph=false", device)
     if device == "cpu" and cpp_compiler() is None:
         if requested:
             raise GraphError("enable_graph: graph mode on CPU needs a C++ compiler for torch.compile and none "
@@ -215,7 +223,8 @@ def warm_up_shapes(k: int) -> list[tuple[list[int], list[int]]]:
     return shapes
 
 
-def warm_up(module: torch.nn.Module, call: Callable[[list[int], list[int]], None], k: int) -> float:
+def warm_up(module: torch.nn.Module, call: Callable[[list[int], list[int]], None], k: int,
+            device: str = "cpu") -> float:
     """Run `call(news, context_lens)` on every warm-up shape; returns the seconds it took. Turns a
     compiler failure into a GraphError that says what to do."""
     import time
@@ -225,12 +234,13 @@ def warm_up(module: torch.nn.Module, call: Callable[[list[int], list[int]], None
         for news, context_lens in warm_up_shapes(k):
             call(news, context_lens)
     except Exception as exc:
-        raise compile_failure(f"the {type(module).__name__} forward", exc) from exc
+        raise compile_failure(f"the {type(module).__name__} forward", exc, device) from exc
     return time.perf_counter() - start
 
 
-def compile_failure(what: str, exc: Exception) -> GraphError:
-    """The error for a graph that failed to compile, saying what to do."""
+def compile_failure(what: str, exc: Exception, device: str = "cpu") -> GraphError:
+    """The error for a graph that failed to compile (or to run its first call), saying what to do."""
     first_line = str(exc).splitlines()[0] if str(exc) else repr(exc)
-    return GraphError(f"enable_graph: compiling {what} failed ({type(exc).__name__}: {first_line}); graph mode "
-                      f"needs a C++ compiler for torch.compile on CPU; run with --enable_graph=false")
+    needs = "graph mode needs a C++ compiler for torch.compile on CPU; " if device == "cpu" else ""
+    return GraphError(f"enable_graph: compiling {what} on {device} failed ({type(exc).__name__}: {first_line}); "
+                      f"{needs}run with --enable_graph=false")

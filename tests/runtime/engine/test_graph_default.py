@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch._inductor.config as inductor_config
 
-from mtp_runtime.models.graph import CACHE_ENV, GRAPH_ENV, GraphError, compile_cache_dir, resolve_graph
+from mtp_runtime.models.graph import (CACHE_ENV, GRAPH_ENV, GraphError, compile_cache_dir, compile_failure,
+                                      resolve_graph)
 
 
 @pytest.fixture
@@ -30,7 +31,27 @@ def no_compiler():
 def test_unset_means_graph_mode_on_a_cpu_with_a_compiler(auto):
     decision = resolve_graph(None, "deepseek_v3", "cpu")
     assert decision.enabled and decision.reason == "graph (default)"
-    assert resolve_graph(None, "glm4_moe", "cuda:0").enabled
+
+
+def test_cuda_devices_run_eager_unless_graph_mode_is_asked_for(auto, caplog):
+    """An H200 failed the compiled decode step's start-up (models/graph.py): the default there is eager,
+    with no warning; asking for graph mode tries it after one."""
+    with caplog.at_level(logging.WARNING, logger="mtp_runtime.engine"):
+        default = resolve_graph(None, "glm4_moe", "cuda:0")
+    assert not default.enabled and "cuda" in default.reason and "enable_graph=true" in default.reason
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="mtp_runtime.engine"):
+        asked = resolve_graph(True, "deepseek_v3", "cuda")
+    assert asked.enabled and asked.reason == "graph (enable_graph=true)"
+    assert len(caplog.records) == 1 and "experimental" in caplog.records[0].getMessage()
+
+
+def test_a_compile_failure_names_the_device_and_the_c_compiler_only_on_cpu():
+    cpu = compile_failure("the decode step", RuntimeError("boom\ndetails"))
+    cuda = compile_failure("the decode step", RuntimeError("device-side assert triggered"), "cuda:0")
+    assert "on cpu failed (RuntimeError: boom)" in str(cpu) and "C++ compiler" in str(cpu)
+    assert "on cuda:0 failed (RuntimeError: device-side assert triggered)" in str(cuda)
+    assert "C++" not in str(cuda) and "--enable_graph=false" in str(cuda)
 
 
 def test_without_a_compiler_the_default_runs_eager_after_one_warning(auto, no_compiler, caplog):
