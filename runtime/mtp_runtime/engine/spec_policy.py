@@ -66,7 +66,11 @@ with R_i tokens left and its own acceptance (its verifies so far, shrunk
 towards the policy's long-run estimate by `sequence_prior_weight` verifies:
 the recent one, at the end of a batch, is its slowest sequences'), needs
 n_i(k) = R_i / E_i[k] more steps, and the time is the sum over the steps to
-come of c(k, b) at the number b of sequences still running.
+come of c(k, b) at the number b of sequences still running. The choice is
+revised every few steps (`drain_interval`, `drain_budget`), and at once when
+sequences join the batch: a batch's tail of one sequence chose k = 3, and the
+next batch of 16 prefilled at k = 3 (the draft's pass over its prompts, 6 ms
+against 2 ms steps) before its first revision went back to k = 0.
 
 Sequences that have verified little are not all alike, though: prompts differ
 in how well the draft does on them, so a batch that starts with every
@@ -235,6 +239,7 @@ class AdaptivePolicy:
     _probe_turn: int = field(init=False, default=0)
     _probe_scale: int = field(init=False, default=1)  # the probe interval's multiple now (probe_backoff)
     _probe_moved: bool = field(init=False, default=True)  # a probe since the last probe time moved a cost
+    _last_batch: int = field(init=False, default=0)  # the batch size of the last choice
     _drain_wait: int = field(init=False, default=0)
     # the k of the last cold_steps + 1 steps chosen, the last one's last (empty: no step chosen yet)
     _recent_k: deque = field(init=False)
@@ -582,10 +587,14 @@ class AdaptivePolicy:
             return self._probe_k
         scores: list[float | None] | None
         closed = draining is not None and (batch_size > 1 if callable(draining) else len(draining) > 1)
+        grown, self._last_batch = batch_size > self._last_batch, batch_size
         if closed:
             # A drain's outlook changes slowly, and its estimate costs 0.1-0.2 ms: next to a 1 ms step
-            # (batch 4 at k = 0) it was 4% of the run when made every fourth step.
-            if self._drain_wait:
+            # (batch 4 at k = 0) it was 4% of the run when made every fourth step. Sequences admitted
+            # since the last choice (a new batch) make it anew: the last batch's tail had chosen k = 3 at
+            # one sequence, and the next batch of 16 prefilled at that depth, paying the draft's pass
+            # over its prompts, before its first revision fell back to k = 0.
+            if self._drain_wait and not grown:
                 self._drain_wait -= 1
                 scores = None
             else:

@@ -593,3 +593,14 @@ def test_the_start_up_seeds_each_cost_with_the_median_of_its_timings():
         policy.seed_step_cost(3, 4, [1.0])
     with pytest.raises(ValueError, match="all > 0"):
         policy.seed_step_cost(1, 4, [])
+
+
+def test_sequences_admitted_to_a_closed_batch_make_its_choice_anew():
+    """The last batch's tail chose for its last sequences; the next batch, admitted in one step, must not
+    run at that depth until the next revision (it prefilled at k = 3, paying the draft's pass over
+    its prompts, where k = 0 was its depth)."""
+    policy = _closed_batch_policy(drain_interval=8)
+    fast, slow = (60, [20], [20]), (60, [20], [0])
+    assert policy.choose(2, [fast] * 2) == 1  # a fast tail: k = 1, held for 8 steps...
+    assert policy.choose(32, [slow] * 32) == 0  # ... unless sequences join: made anew at once
+    assert policy.choose(32, [fast] * 32) == 0  # and then held until its next revision
