@@ -145,6 +145,9 @@ class LLMEngine:
         self._num_steps = 0
         self._totals = {"prompt": 0, "generation": 0}
         self.last_step: StepRecord | None = None
+        # adaptive depth: (k, batch size, model seconds, entry time) of the last decode step, whose host
+        # time the next step's entry closes (`record_overhead`); None after a step that left nothing to do
+        self._open_step: tuple[int, int, float, float] | None = None
         self.policy_warm_up_s = 0.0
         # True while no request beyond those queued will arrive (LLM.generate): once nothing waits,
         # adaptive depth picks the k that finishes the running sequences soonest (engine/spec_policy.py)
@@ -296,6 +299,13 @@ class LLMEngine:
         return decoding
 
     def step(self) -> list[RequestOutput]:
+        entered = time.perf_counter()
+        if self._open_step is not None:
+            # The last decode step's time outside the model (scheduling, update, outputs, the policy, and
+            # the caller's work until this step: a server's delivery and the threads it contends with)
+            k, batch_size, model_s, started = self._open_step
+            self._open_step = None
+            self.policy.record_overhead(k, batch_size, entered - started - model_s)
         aborted = self._drain_inbox()
         outputs = [RequestOutput(seq, self.tokenizer, []) for seq in aborted]
         if not self._policy_seeded:
@@ -328,10 +338,12 @@ class LLMEngine:
                     self.policy.record_finished(seq.tried_per_position, seq.accepted_per_position)
                     self.policy.record_request(seq.num_prompt_tokens, seq.num_output_tokens)
         if self.policy.adaptive:
-            # The model step's time, as the start-up's dummy steps are timed (the host's scheduling,
-            # update and outputs, about 50 us a step at batch 1 whatever the k, are left out of both)
+            # The model step's time, as the start-up's dummy steps are timed; the host's time around it is
+            # measured apart, from this step's entry to the next's (`record_overhead`)
             if all(decoding) and all(c == 1 for c in batch.num_chunk_tokens):
                 self.policy.record_step(k, len(batch), now - start)
+                if self.has_unfinished_requests():  # the caller steps again at once
+                    self._open_step = (k, len(batch), now - start, entered)
             self.policy.record_draft_pass(*self.runner.take_draft_pass())
             self.policy.end_step()
         return outputs

@@ -113,6 +113,19 @@ output token) positions per sequence and step; a closed batch, whose prompts
 are all in, is charged the positions of its sequences the draft has not
 passed over yet (a prompt still to prefill, keys left out at k = 0).
 
+A step costs more than its model call: the host schedules it, updates the
+sequences, builds the outputs, and the caller hands them on (a server's
+engine thread delivers them and shares the interpreter with the thread that
+streams them) before the next step starts. That time comes once per step
+whatever the step's tokens, so it favours deeper steps, and it is not small:
+served at concurrency 1 on the bench preset, k = 0 ran 971 tokens/s where its
+model steps took 0.36 ms, about 0.5 ms of host time a step, and the policy
+that left it out held k = 0 (0.87x k = 0's speed) where k = 3 ran 1.29x. The
+engine times each decode step's host time, from its start to the next
+step's start less the model's time (`record_overhead`, per depth and bucket,
+smoothed by `overhead_smoothing`; an interval after which the engine had
+nothing left to do is not counted), and `cost` adds it to the model's.
+
 Timings are noisy: the start-up seeds each cost with the median of its dummy
 steps (their mean let one slow step of five make k = 0 at batch 4 look 1.7
 times its cost, and the policy speculated where k = 0 was 15% faster), and a
@@ -220,6 +233,7 @@ class AdaptivePolicy:
     # what drafting costs beside the decode steps: the draft's pass over each prompt (module docstring)
     draft_pass_smoothing: float = 0.2  # per pass, the decay of the earlier ones' positions and seconds
     request_decay: float = 0.95  # per finished request, for the prompt tokens drafted per output token
+    overhead_smoothing: float = 0.1  # weight of a step's host time in its (k, bucket) estimate
     seed: int = 0
     adaptive = True
     # Decayed counts, stored scaled: a count is the stored value / its scale. Decaying every count each
@@ -232,6 +246,7 @@ class AdaptivePolicy:
     _long_scale: float = field(init=False, default=1.0)
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # at unit load
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
+    _overhead: dict[tuple[int, int], float] = field(init=False, default_factory=dict)  # host seconds a step
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
     _probe_k: int = field(init=False, default=0)
@@ -358,6 +373,29 @@ class AdaptivePolicy:
         # then the k's own cost at unit load: the mean of its first samples, then a slow EMA
         cost.seconds += max(self.cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
 
+    def record_overhead(self, k: int, batch_size: int, seconds: float) -> None:
+        """A decode step's host time outside the model at depth k: from its start to the next step's,
+        less the model's time (module docstring). A step more than outlier_ratio off the estimate moves
+        it as one that far off does."""
+        if not 0 <= k <= self.max_k or batch_size < 1 or seconds < 0:
+            return
+        key = (k, batch_bucket(batch_size))
+        estimate = self._overhead.get(key)
+        if estimate is None:
+            self._overhead[key] = seconds
+            return
+        if estimate > 0:
+            seconds = min(max(seconds, estimate / self.outlier_ratio), estimate * self.outlier_ratio)
+        self._overhead[key] = estimate + self.overhead_smoothing * (seconds - estimate)
+
+    def overhead(self, k: int, batch_size: int) -> float:
+        """The host seconds of a step at depth k for this batch size: its own estimate, else the nearest
+        depth's in the bucket, else the nearest bucket's; 0 before any step was measured."""
+        bucket = batch_bucket(batch_size)
+        known = [(abs(b.bit_length() - bucket.bit_length()), abs(kk - k), kk, seconds)
+                 for (kk, b), seconds in self._overhead.items()]
+        return min(known)[3] if known else 0.0
+
     def seed_step_cost(self, k: int, batch_size: int, seconds: list[float]) -> None:
         """The start-up's timings of dummy steps at depth k and this batch size: their median is the
         cost (their mean let one slow step, of five, make k = 0 at batch 4 look 1.7 times its cost)."""
@@ -446,17 +484,18 @@ class AdaptivePolicy:
         return out
 
     def cost(self, k: int, batch_size: int) -> float | None:
-        """Estimated seconds of a step at depth k for this batch size: its bucket's estimate, else
-        the nearest measured bucket's; None when depth k was never measured."""
+        """Estimated seconds of a step at depth k for this batch size, the host's time around the model
+        included: its bucket's estimate, else the nearest measured bucket's; None when depth k was
+        never measured."""
         bucket = batch_bucket(batch_size)
         cost = self._costs.get((k, bucket))
-        if cost is not None:
-            return cost.seconds * self._load.get(bucket, 1.0)
-        known = [(abs(b.bit_length() - bucket.bit_length()), b) for kk, b in self._costs if kk == k]
-        if not known:
-            return None
-        nearest = min(known)[1]
-        return self._costs[(k, nearest)].seconds * self._load.get(nearest, 1.0)
+        if cost is None:
+            known = [(abs(b.bit_length() - bucket.bit_length()), b) for kk, b in self._costs if kk == k]
+            if not known:
+                return None
+            bucket = min(known)[1]
+            cost = self._costs[(k, bucket)]
+        return cost.seconds * self._load.get(bucket, 1.0) + self.overhead(k, batch_size)
 
     def step_costs(self, batch_size: int) -> list[float | None]:
         """cost(k, batch_size) for k = 0..max_k, each at least that of every smaller k: a step at k does

@@ -183,6 +183,38 @@ def test_generate_tells_adaptive_depth_when_its_batch_is_closed(tiny_models):
     assert calls and all(d is None for _, d in calls)
 
 
+
+def test_an_adaptive_engine_times_the_host_s_time_between_decode_steps(tiny_models):
+    """Each decode step's host time, from its start to the next step's less its model call, goes to the
+    policy (a caller's work between steps included: a server's delivery); no interval is left open
+    after a step that leaves nothing to do, so idle time before the next request is not counted."""
+    import time
+
+    from mtp_runtime import LLM
+
+    llm = LLM(tiny_models["deepseek_v3"], num_speculative_tokens=2, speculative_adaptive=True, max_model_len=96,
+              block_size=4, max_seqs_per_batch=2, enable_graph=False)
+    engine, recorded = llm.engine, []
+    record = engine.policy.record_overhead
+    engine.policy.record_overhead = lambda k, b, seconds: (recorded.append((k, b, seconds)), record(k, b, seconds))
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.last_step is not None:
+            steps.append(engine.last_step)
+        time.sleep(0.02)  # the caller's work between two steps
+    assert engine._open_step is None  # the last step left nothing to do
+    assert len(recorded) >= 2 and all(0 <= k <= 2 and b == 1 for k, b, _ in recorded)
+    assert all(seconds >= 0.02 for *_, seconds in recorded)
+    assert len(recorded) < len(steps)  # not the prefill step's, nor the last one's
+    assert engine.policy.overhead(recorded[-1][0], 1) >= 0.02
+    time.sleep(0.05)  # idle
+    recorded.clear()
+    engine.add_request("again", [8, 9], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()  # a prefill after the idle wait: nothing recorded
+    assert recorded == []
+
 def test_the_positions_the_draft_has_not_passed_over_are_a_prompt_to_prefill_and_the_keys_left_out():
     """What a closed batch's policy charges a switch to k > 0 for (engine/spec_policy.py): the prompt
     still to prefill (but its last position, which is drafted from) and the keys that steps at k = 0

@@ -604,3 +604,25 @@ def test_sequences_admitted_to_a_closed_batch_make_its_choice_anew():
     assert policy.choose(2, [fast] * 2) == 1  # a fast tail: k = 1, held for 8 steps...
     assert policy.choose(32, [slow] * 32) == 0  # ... unless sequences join: made anew at once
     assert policy.choose(32, [fast] * 32) == 0  # and then held until its next revision
+
+
+def test_the_host_s_time_around_each_step_is_part_of_its_cost():
+    """A step's host time (scheduling, outputs, a server's delivery) comes once a step whatever its
+    tokens: k = 1 loses on its model time alone (1.85 tokens for 2.0 against 1.0) and wins once each
+    step also pays 1.0 on the host."""
+    policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6)
+    policy.seed_step_cost(0, 1, [1.0])
+    policy.seed_step_cost(1, 1, [2.0])
+    policy.record_verifies([(1, 1)] * 17 + [(1, 0)] * 3)
+    assert policy.overhead(0, 1) == 0.0 and policy.choose(1) == 0
+    policy.record_overhead(0, 1, 1.0)
+    assert policy.cost(0, 1) == pytest.approx(2.0)
+    assert policy.cost(1, 1) == pytest.approx(3.0)  # the nearest depth's host time stands in for k = 1's
+    assert policy.cost(0, 16) == pytest.approx(2.0)  # ... and the nearest bucket's for batch 16's
+    assert policy.choose(1) == 1
+    policy.record_overhead(1, 1, 0.5)
+    assert policy.cost(1, 1) == pytest.approx(2.5) and policy.cost(0, 1) == pytest.approx(2.0)
+    policy.record_overhead(0, 1, 10.0)  # a pause between two steps: counted as 1.5 x the estimate
+    assert policy.overhead(0, 1) == pytest.approx(1.0 + 0.1 * (1.5 - 1.0))
+    policy.record_overhead(0, 1, -1.0)  # no such interval: ignored
+    assert policy.overhead(0, 1) == pytest.approx(1.05)
