@@ -16,6 +16,9 @@ With --adaptive K an engine with adaptive speculative depth (k chosen every step
 the fixed ks; the summary gives its speed-up over k=0 and over the best fixed k at each batch size,
 and the mean k it chose.
 
+With --device (cuda, npu) and --dtype our engine runs on that device and dtype (transformers
+stays on the CPU); on CUDA, graph mode is off unless --enable-graph asks for it (models/graph.py).
+
 With --enable-graph our engine runs in graph mode (decode steps compiled, as
 `mtp serve --enable_graph`), and an eager k=0 runs alongside for reference;
 the compile time at start-up is reported, not counted in tokens/s.
