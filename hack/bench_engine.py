@@ -17,7 +17,7 @@ the fixed ks; the summary gives its speed-up over k=0 and over the best fixed k 
 and the mean k it chose.
 
 With --device (cuda, npu) and --dtype our engine runs on that device and dtype (transformers
-stays on the CPU); on CUDA, graph mode is off unless --enable-graph asks for it (models/graph.py).
+stays on the CPU); on CUDA, --enable-graph is experimental (models/graph.py, resolve_graph).
 
 With --enable-graph our engine runs in graph mode (decode steps compiled, as
 `mtp serve --enable_graph`), and an eager k=0 runs alongside for reference;
