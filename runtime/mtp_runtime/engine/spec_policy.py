@@ -392,6 +392,9 @@ class AdaptivePolicy:
         """The host seconds of a step at depth k for this batch size: its own estimate, else the nearest
         depth's in the bucket, else the nearest bucket's; 0 before any step was measured."""
         bucket = batch_bucket(batch_size)
+        exact = self._overhead.get((k, bucket))
+        if exact is not None:  # (the common case, on every step's scores: no scan)
+            return exact
         known = [(abs(b.bit_length() - bucket.bit_length()), abs(kk - k), kk, seconds)
                  for (kk, b), seconds in self._overhead.items()]
         return min(known)[3] if known else 0.0
