@@ -322,7 +322,7 @@ class LLMEngine:
         now = time.perf_counter()
         k = batch.num_speculative_tokens
         self.last_step = StepRecord(k, now - start, len(batch))
-        if self.policy.adaptive:
+        if k and self.policy.adaptive:  # (a step at k = 0 verifies nothing)
             self.policy.record_verifies([(real, a) for real, a in zip(batch.num_real_drafts, accepted) if real])
         self.scheduler.update(batch, new_tokens, accepted, now)
         for seq, n_before, sampled in zip(batch.seqs, before, new_tokens):
@@ -344,7 +344,15 @@ class LLMEngine:
                 self.policy.record_step(k, len(batch), now - start)
                 if self.has_unfinished_requests():  # the caller steps again at once
                     self._open_step = (k, len(batch), now - start, entered)
-            self.policy.record_draft_pass(*self.runner.take_draft_pass())
+            elif self.runner.last_decode_part is not None:
+                # Prompt chunks beside the decodes (a server admits a request nearly every step at high
+                # concurrency): the decodes ran as one call of their own, timed apart. Left out, a
+                # depth's cost at such a load came from the start-up and the rare decode-only steps,
+                # its probes went untimed, and a server at concurrency 32 ran k >= 2 where only k = 1 beat k = 0.
+                self.policy.record_step(k, *self.runner.last_decode_part)
+            positions, seconds = self.runner.take_draft_pass()
+            if positions:
+                self.policy.record_draft_pass(positions, seconds)
             self.policy.end_step()
         return outputs
 

@@ -127,6 +127,9 @@ class ModelRunner:
         self.draft_keys_filled = 0  # draft keys written late, for positions steps at k = 0 made final
         # adaptive depth: the draft's passes outside decode steps since take_draft_pass (prompts, fills)
         self._draft_pass = [0, 0.0]  # positions, seconds
+        # (rows, seconds) of the last step's one-call decode part when prompt chunks ran beside it
+        # (_execute_split; None otherwise): adaptive depth times it as a decode step of those rows
+        self.last_decode_part: tuple[int, float] | None = None
         self.graph_warm_up_s = self._warm_up_graphs() if self.graph_enabled else 0.0
 
     def swap_draft(self, draft) -> None:
@@ -269,6 +272,7 @@ class ModelRunner:
         and leaves each sampled sequence's next drafts in seq.draft_token_ids."""
         if self.on_step is not None:
             self.on_step(batch.num_speculative_tokens)
+        self.last_decode_part = None
         if self.hidden_caches:
             if batch.num_speculative_tokens:
                 self._fill_draft_keys(batch.seqs)
@@ -371,7 +375,10 @@ class ModelRunner:
         new_tokens: list[list[int]] = [[] for _ in batch.seqs]
         accepted = [0] * len(batch.seqs)
         for rows, run in ((decoding, self._run_decode_step), (rest, self._run_eager)):
-            tokens, acc = run(batch.subset(rows))
+            started = time.perf_counter()
+            tokens, acc = run(batch.subset(rows))  # (its results are on the host: the step has ended)
+            if rows is decoding:
+                self.last_decode_part = (len(rows), time.perf_counter() - started)
             for i, t, a in zip(rows, tokens, acc):
                 new_tokens[i], accepted[i] = t, a
         return new_tokens, accepted

@@ -33,9 +33,8 @@ Timed, those cold steps made the depths not in use (known only from probes
 and the start-up's dummy steps) look dearer than they run, the cheapest the
 most, and the policy speculated where k = 0 was faster.
 
-Exploration: a policy at k = 0 that has seen no verify for hundreds of steps
-(a fresh engine: its acceptance is only the prior's) probes the deepest k at
-once; and every `probe_interval` steps (jittered, from `seed`, so runs
+Exploration: a policy at k = 0 that has seen no verify yet (a fresh engine:
+its acceptance is only the prior's) probes the deepest k at once; and every `probe_interval` steps (jittered, from `seed`, so runs
 repeat) the policy runs another k, in turn, so that every depth keeps being
 measured: when the draft turns bad the policy falls to k = 0, and the probes
 bring speculation back once it agrees again. Probes cost: at batch 4, where
@@ -218,6 +217,9 @@ class AdaptivePolicy:
     probe_settled: float = 0.03
     probe_steps: int = 3
     cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
+    # an open batch's choice is revised every this many steps, at once when its bucket changes or a
+    # probe ends (module docstring)
+    revise_interval: int = 4
     switch_margin: float = 0.03
     outlier_ratio: float = 1.5  # a step time moves its estimate as one at most this many times off it does
     prior_acceptance: float = 0.5  # p_1 before any evidence (p_j's: p_{j-1}'s estimate), weight prior_weight (verifies)
@@ -256,6 +258,9 @@ class AdaptivePolicy:
     _probe_moved: bool = field(init=False, default=True)  # a probe since the last probe time moved a cost
     _last_batch: int = field(init=False, default=0)  # the batch size of the last choice
     _drain_wait: int = field(init=False, default=0)
+    _revise_wait: int = field(init=False, default=0)  # steps until an open batch's choice is revised
+    _revise_bucket: int = field(init=False, default=0)  # the batch bucket it was last revised for
+    _verified: bool = field(init=False, default=False)  # a real draft has been verified (a fresh policy has not)
     # the k of the last cold_steps + 1 steps chosen, the last one's last (empty: no step chosen yet)
     _recent_k: deque = field(init=False)
     _rng: random.Random = field(init=False)
@@ -280,8 +285,9 @@ class AdaptivePolicy:
                              f"must lie in (0, 1]")
         if self.sequence_prior_weight <= 0:
             raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} must be > 0")
-        if self.probe_interval < 1 or self.drain_interval < 1 or self.probe_backoff < 1:
-            raise ValueError("AdaptivePolicy: probe_interval, drain_interval and probe_backoff must be >= 1")
+        if min(self.probe_interval, self.drain_interval, self.probe_backoff, self.revise_interval) < 1:
+            raise ValueError("AdaptivePolicy: probe_interval, drain_interval, probe_backoff and revise_interval "
+                             "must be >= 1")
         if self.outlier_ratio <= 1:
             raise ValueError(f"AdaptivePolicy: outlier_ratio={self.outlier_ratio} must be > 1")
         if self.drain_budget <= 0:
@@ -327,6 +333,8 @@ class AdaptivePolicy:
             hit_to[accepted] += 1
         tried = hit = 0
         scale, long_scale = self._scale, self._long_scale
+        if tried_to[1:] != [0] * K:
+            self._verified = True
         for j in range(K, 0, -1):  # draft j was tried by every sequence that reached j or more
             tried += tried_to[j]
             hit += hit_to[j]
@@ -648,15 +656,25 @@ class AdaptivePolicy:
                 self._drain_wait = min(max(self.drain_interval, budget), MAX_DRAIN_INTERVAL) - 1
         else:
             self._drain_wait = 0
-            scores = self.scores(max(1, batch_size))
+            # The scores (7.5 us at batch 1, on a step of 0.76 ms) move little from one step to the next:
+            # revised every few steps, at once in another bucket or after a probe (its evidence)
+            bucket = batch_bucket(max(1, batch_size))
+            if self._revise_wait and bucket == self._revise_bucket:
+                self._revise_wait -= 1
+                scores = None
+            else:
+                scores = self.scores(max(1, batch_size))
+                self._revise_wait, self._revise_bucket = self.revise_interval - 1, bucket
         if scores is not None:
             unmeasured = [k for k, s in enumerate(scores) if s is None]
             if unmeasured:  # measure every depth once before trusting the comparison
                 return self._start_probe(unmeasured[0])
-            if self._current == 0 and self._long_tries[0] < self._long_scale:
-                # No draft verified for hundreds of steps (a fresh engine): the acceptance is the prior's,
-                # which values speculation at little, and at k = 0 nothing would be learnt until the next
-                # probe, up to 160 steps away; try the deepest k now.
+            if self._current == 0 and not self._verified:
+                # No draft verified yet (a fresh engine): the acceptance is the prior's, which values
+                # speculation at little, and at k = 0 nothing would be learnt until the first probe, up to
+                # 160 steps away; try the deepest k now. (Once drafts were verified the probes alone
+                # bring speculation back: this test, when it asked whether any draft was verified in
+                # the last few hundred steps, probed an engine held at k = 0 every ~220 steps besides.)
                 return self._start_probe(self.max_k)
             best = max(range(len(scores)), key=lambda k: scores[k])
             current = scores[self._current]
@@ -684,6 +702,7 @@ class AdaptivePolicy:
 
     def _start_probe(self, k: int) -> int:
         self._probe_k, self._probe_left = k, self.probe_steps - 1
+        self._revise_wait = 0  # the step after the probe weighs its evidence
         return k
 
     def _next_probe_gap(self) -> int:

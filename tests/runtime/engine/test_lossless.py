@@ -238,9 +238,22 @@ def test_graph_mode_with_adaptive_depth_has_a_one_call_step_for_every_k(kit, tin
             return step(plan, *args)
         runner.decode_steps[k] = counted
     runner.decode_step = runner.decode_steps[2]
+    # a step whose decodes ran as one call beside prompt chunks times that call as a decode step of its rows
+    splits, timed = [], []
+    execute, record_step = runner.execute, policy.record_step
+
+    def executed(batch):
+        out = execute(batch)
+        if runner.last_decode_part is not None:
+            splits.append((batch.num_speculative_tokens, *runner.last_decode_part, len(batch)))
+        return out
+    runner.execute = executed
+    policy.record_step = lambda k, b, seconds: (timed.append((k, b, seconds)), record_step(k, b, seconds))
     kit.OracleDrafts(engine, expected, hit_rate=0.7, seed=2)
     assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
     assert set(ran) == {0, 1, 2}, "some k never took its one-call step"
+    assert splits and all(0 < rows < size and seconds > 0 for _, rows, seconds, size in splits)
+    assert all((k, rows, seconds) in timed for k, rows, seconds, _ in splits)
     assert "no decode-step graph from the warm-up fits" not in caplog.text, "the warm-up missed a step shape"
 
 

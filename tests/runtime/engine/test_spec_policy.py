@@ -59,7 +59,7 @@ def test_a_depth_without_evidence_is_expected_to_do_as_well_as_the_one_before():
             policy.record_verify(1, 0)
         policy.end_step()
     assert max(policy.acceptance()) < 0.1
-    assert policy.choose(4) == 0
+    assert [policy.choose(4) for _ in range(policy.revise_interval)][-1] == 0  # at its next revision
 
 
 def test_recent_steps_weigh_more():
@@ -290,10 +290,35 @@ def test_a_fresh_policy_tries_the_deepest_k_before_settling_on_the_prior_s_choic
         policy.record_step(k, 1, 1.0 + 0.4 * k)
         policy.end_step()
     assert chosen[:2] == [3, 3] and chosen[2:] == [3] * 18
-    # once drafts have been verified, a policy at k = 0 waits for its probes
+    # once drafts have been verified, a policy at k = 0 waits for its probes, however long ago that was
     settled = _seeded(AdaptivePolicy(1, probe_interval=10**6), lambda k, b: 1.0 + k)
     settled.record_verifies([(1, 0)] * 4)
-    assert [settled.choose(1) for _ in range(5)] == [0] * 5
+    held = []
+    for _ in range(3000):  # the long-run counts (decay 0.995) fall below one verify after ~280 steps
+        held.append(settled.choose(1))
+        settled.record_step(held[-1], 1, 1.0 + held[-1])
+        settled.end_step()
+    assert held == [0] * 3000
+
+
+def test_an_open_batch_s_choice_is_revised_every_few_steps_and_at_once_in_another_bucket():
+    """The scores cost 7.5 us a step at batch 1 (a graph-mode step there: 0.76 ms), so an open batch's
+    choice is revised every revise_interval steps; a batch in another bucket, or the end of a probe,
+    revises it at once."""
+    def cost(k, b):
+        return 1.0 + (0.1 if b == 1 else 1.0) * k
+
+    policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6, revise_interval=4), cost)
+    policy.record_verifies([(1, 1)] * 20)  # p = 1: k = 1 wins at batch 1 (2 / 1.1), loses at 16 (2 / 2.0)
+    assert policy.choose(1) == 1
+    policy.record_verifies([(1, 0)] * 2000)  # the draft turns bad: k = 0 wins everywhere ...
+    assert [policy.choose(1) for _ in range(4)] == [1, 1, 1, 0]  # ... from the next revision
+    policy.record_verifies([(1, 1)] * 20000)
+    assert policy.choose(1) == 0 and policy.choose(16) == 0  # another bucket: revised at once (k = 0 there)
+    assert [policy.choose(16) for _ in range(3)] == [0, 0, 0]
+    assert policy.choose(1) == 1  # back in bucket 1: revised at once
+    with pytest.raises(ValueError, match="revise_interval"):
+        AdaptivePolicy(1, revise_interval=0)
 
 
 def test_fixed_policy_and_settings():
@@ -541,7 +566,8 @@ def test_the_draft_s_pass_over_the_prompts_to_come_is_charged_to_speculating():
     19% per step, but at k > 0 every prompt is passed over by the draft too (41 us a position at batch
     1, 12-17 at batch 4, against a decode step of 0.6-1 ms). With as many prompt positions as output
     tokens and 60 us a position, k = 1 costs 1.6 + 4 x 1.9 x 0.06 = 2.06 for 1.9 tokens: k = 0 wins."""
-    policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6), lambda k, b: 1.0 + 0.6 * k)
+    policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6, revise_interval=1),
+                     lambda k, b: 1.0 + 0.6 * k)
     for _ in range(50):
         policy.record_verifies([(1, 1)] * 4 + [(1, 0)])
     policy.record_verifies([(1, 1)] * 8)  # p = 0.9 (to 2 digits)
@@ -610,7 +636,7 @@ def test_the_host_s_time_around_each_step_is_part_of_its_cost():
     """A step's host time (scheduling, outputs, a server's delivery) comes once a step whatever its
     tokens: k = 1 loses on its model time alone (1.85 tokens for 2.0 against 1.0) and wins once each
     step also pays 1.0 on the host."""
-    policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6)
+    policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6, revise_interval=1)
     policy.seed_step_cost(0, 1, [1.0])
     policy.seed_step_cost(1, 1, [2.0])
     policy.record_verifies([(1, 1)] * 17 + [(1, 0)] * 3)
