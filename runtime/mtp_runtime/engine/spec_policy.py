@@ -34,25 +34,25 @@ and the start-up's dummy steps) look dearer than they run, the cheapest the
 most, and the policy speculated where k = 0 was faster.
 
 Exploration: a policy at k = 0 that has seen no verify yet (a fresh engine:
-its acceptance is only the prior's) probes the deepest k at once; and every `probe_interval` steps (jittered, from `seed`, so runs
-repeat) the policy runs another k, in turn, so that every depth keeps being
-measured: when the draft turns bad the policy falls to k = 0, and the probes
-bring speculation back once it agrees again. Probes cost: at batch 4, where
-k = 0 was best, an adaptive engine that held it ran ~10% below fixed k = 0
-with a probe of three steps every ~128 (the steps at the higher k, the cold
-steps on both sides, the fill of the draft keys left out). So the gap
-doubles after every probe that changed nothing, up to `probe_backoff` (4)
-times `probe_interval`; a change of depth, or a probe that moved its
-depth's cost by more than `probe_settled` (3%), sets it back. A probe lasts `probe_steps` (3)
-steps: its first ones run cold and are not timed, and at a higher k than the
-one before it verifies filler for the drafts the earlier step did not make
-(engine: `Sequence.num_real_drafts`; only real drafts are counted as
-evidence). A probe of a lower k only refreshes its cost and comes every
-second probe time: the load factor, moved by the depth in use alone, also
-carries that depth's own drift (longer contexts, other prompts) to the
-depths below it, and at batch 4 the policy's k = 1 / k = 0 cost ratio fell
-to 1.6 where the steps measured 1.9, when a lower k was probed every fourth
-time.
+its acceptance is only the prior's) probes the deepest k at once; and every
+`probe_interval` steps (jittered, from `seed`, so runs repeat) the policy runs
+another k, in turn, so that every depth keeps being measured: when the draft
+turns bad the policy falls to k = 0, and the probes bring speculation back
+once it agrees again. Probes cost: at batch 4, where k = 0 was best, an
+adaptive engine that held it ran ~10% below fixed k = 0 with a probe of three
+steps every ~128 (the steps at the higher k, the cold steps on both sides, the
+fill of the draft keys left out). So the gap doubles after every probe that
+changed nothing, up to `probe_backoff` (4) times `probe_interval`; a change of
+depth, or a probe that moved its depth's cost by more than `probe_settled`
+(3%), sets it back. A probe lasts `probe_steps` (3) steps: its first ones run
+cold and are not timed, and at a higher k than the one before it verifies
+filler for the drafts the earlier step did not make (engine:
+`Sequence.num_real_drafts`; only real drafts are counted as evidence). A probe
+of a lower k only refreshes its cost and comes every second probe time: the
+load factor, moved by the depth in use alone, also carries that depth's own
+drift (longer contexts, other prompts) to the depths below it, and at batch 4
+the policy's k = 1 / k = 0 cost ratio fell to 1.6 where the steps measured
+1.9, when a lower k was probed every fourth time.
 
 A closed batch (`choose(..., draining=...)`): when no request waits and none
 will arrive (the offline `LLM.generate`, once its last prompt is admitted),
@@ -124,6 +124,22 @@ engine times each decode step's host time, from its start to the next
 step's start less the model's time (`record_overhead`, per depth and bucket,
 smoothed by `overhead_smoothing`; an interval after which the engine had
 nothing left to do is not counted), and `cost` adds it to the model's.
+
+Which steps are timed: decode-only ones, and in a step that also prefills
+(a server admits a request nearly every step at high concurrency) the
+decodes' one-call part, which runs apart from the prompt chunks (graph mode)
+and is timed as a decode step of its rows. With decode-only steps alone, a
+server at concurrency 32 (32 requests of 64 tokens, at about 2 tokens a
+step, admit about one request a step) timed few steps, its probes hardly
+any, and its costs stayed near the start-up's, from dummy steps at 48 cached
+tokens.
+
+The choice itself is cheap but not free (the scores: 4 us at batch 1, 7 at
+batch 16, where a graph-mode step at batch 1 is 0.8 ms), and from one step to
+the next it barely moves: an open batch's choice is revised every
+`revise_interval` (4) steps, and at once when the batch moves to another
+bucket or a probe ends (the policy's bookkeeping a step, choice and evidence:
+9.9 -> 5.6 us at batch 1, 10.8 -> 4.6 us at batch 16).
 
 Timings are noisy: the start-up seeds each cost with the median of its dummy
 steps (their mean let one slow step of five make k = 0 at batch 4 look 1.7
@@ -347,9 +363,10 @@ class AdaptivePolicy:
 
     def record_step(self, k: int, batch_size: int, seconds: float) -> None:
         """The wall time of a step of `batch_size` decoding sequences at depth k (decode-only
-        steps: a prompt chunk in the step would charge its prefill to k), the step `choose` gave k
-        last. Not timed when one of the `cold_steps` steps before it ran another depth (module
-        docstring); steps recorded without `choose` (the start-up's) are timed as given."""
+        steps, or the one-call decode part of a step that also prefilled, timed on its own: a prompt
+        chunk in the timing would charge its prefill to k), the step `choose` gave k last. Not timed
+        when one of the `cold_steps` steps before it ran another depth (module docstring); steps
+        recorded without `choose` (the start-up's) are timed as given."""
         if not 0 <= k <= self.max_k or batch_size < 1 or seconds <= 0:
             return
         if any(earlier != k for earlier in self._recent_k):
@@ -656,7 +673,7 @@ class AdaptivePolicy:
                 self._drain_wait = min(max(self.drain_interval, budget), MAX_DRAIN_INTERVAL) - 1
         else:
             self._drain_wait = 0
-            # The scores (7.5 us at batch 1, on a step of 0.76 ms) move little from one step to the next:
+            # The scores (4 us at batch 1, on a graph-mode step of 0.8 ms) move little from one step to the next:
             # revised every few steps, at once in another bucket or after a probe (its evidence)
             bucket = batch_bucket(max(1, batch_size))
             if self._revise_wait and bucket == self._revise_bucket:
