@@ -349,7 +349,10 @@ class LLMEngine:
                 # concurrency): the decodes ran as one call of their own, timed apart. Left out, a
                 # depth's cost at such a load came from the start-up and the rare decode-only steps,
                 # its probes went untimed, and a server at concurrency 32 ran k >= 2 where only k = 1 beat k = 0.
-                self.policy.record_step(k, *self.runner.last_decode_part)
+                rows, seconds = self.runner.last_decode_part
+                self.policy.record_step(k, rows, seconds)
+                if self.has_unfinished_requests():  # its host time, around the whole model call
+                    self._open_step = (k, rows, now - start, entered)
             positions, seconds = self.runner.take_draft_pass()
             if positions:
                 self.policy.record_draft_pass(positions, seconds)

@@ -121,9 +121,16 @@ served at concurrency 1 on the bench preset, k = 0 ran 971 tokens/s where its
 model steps took 0.36 ms, about 0.5 ms of host time a step, and the policy
 that left it out held k = 0 (0.87x k = 0's speed) where k = 3 ran 1.29x. The
 engine times each decode step's host time, from its start to the next
-step's start less the model's time (`record_overhead`, per depth and bucket,
-smoothed by `overhead_smoothing`; an interval after which the engine had
-nothing left to do is not counted), and `cost` adds it to the model's.
+step's start less the model's time (`record_overhead`, per bucket, smoothed
+by `overhead_smoothing`; an interval after which the engine had nothing left
+to do is not counted), and `cost` adds it to the model's. One estimate serves
+every depth, kept up by the depth in use: kept per depth, the depths not in
+use were known only from the few steps they ran, long ago or in a burst (a
+server at concurrency 32 kept 5.5 ms for k = 0, from its first steps, against
+1.4-1.9 ms measured step after step at k = 3; it ran mean k 2.7 at
+concurrency 16, where k = 1 was best, and 2.9 at 32, where no depth beat
+k = 0). Steps that also prefill are timed too (their host time around the
+model call, prefill and decodes): at high concurrency they are most steps.
 
 Which steps are timed: decode-only ones, and in a step that also prefills
 (a server admits a request nearly every step at high concurrency) the
@@ -264,7 +271,7 @@ class AdaptivePolicy:
     _long_scale: float = field(init=False, default=1.0)
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # at unit load
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
-    _overhead: dict[tuple[int, int], float] = field(init=False, default_factory=dict)  # host seconds a step
+    _overhead: dict[int, float] = field(init=False, default_factory=dict)  # per bucket: host seconds a step
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
     _probe_k: int = field(init=False, default=0)
@@ -399,12 +406,12 @@ class AdaptivePolicy:
         cost.seconds += max(self.cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
 
     def record_overhead(self, k: int, batch_size: int, seconds: float) -> None:
-        """A decode step's host time outside the model at depth k: from its start to the next step's,
-        less the model's time (module docstring). A step more than outlier_ratio off the estimate moves
-        it as one that far off does."""
+        """A decode step's host time outside the model (a step at depth k): from its start to the next
+        step's, less the model's time; one estimate per bucket serves every depth (module docstring). A
+        step more than outlier_ratio off the estimate moves it as one that far off does."""
         if not 0 <= k <= self.max_k or batch_size < 1 or seconds < 0:
             return
-        key = (k, batch_bucket(batch_size))
+        key = batch_bucket(batch_size)
         estimate = self._overhead.get(key)
         if estimate is None:
             self._overhead[key] = seconds
@@ -414,15 +421,14 @@ class AdaptivePolicy:
         self._overhead[key] = estimate + self.overhead_smoothing * (seconds - estimate)
 
     def overhead(self, k: int, batch_size: int) -> float:
-        """The host seconds of a step at depth k for this batch size: its own estimate, else the nearest
-        depth's in the bucket, else the nearest bucket's; 0 before any step was measured."""
+        """The host seconds of a step (at depth k: every depth has its bucket's) for this batch size: its
+        bucket's estimate, else the nearest bucket's; 0 before any step was measured."""
         bucket = batch_bucket(batch_size)
-        exact = self._overhead.get((k, bucket))
+        exact = self._overhead.get(bucket)
         if exact is not None:  # (the common case, on every step's scores: no scan)
             return exact
-        known = [(abs(b.bit_length() - bucket.bit_length()), abs(kk - k), kk, seconds)
-                 for (kk, b), seconds in self._overhead.items()]
-        return min(known)[3] if known else 0.0
+        known = [(abs(b.bit_length() - bucket.bit_length()), b, seconds) for b, seconds in self._overhead.items()]
+        return min(known)[2] if known else 0.0
 
     def seed_step_cost(self, k: int, batch_size: int, seconds: list[float]) -> None:
         """The start-up's timings of dummy steps at depth k and this batch size: their median is the

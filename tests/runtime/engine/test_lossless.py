@@ -249,11 +249,14 @@ def test_graph_mode_with_adaptive_depth_has_a_one_call_step_for_every_k(kit, tin
         return out
     runner.execute = executed
     policy.record_step = lambda k, b, seconds: (timed.append((k, b, seconds)), record_step(k, b, seconds))
+    hosted, record_overhead = [], policy.record_overhead  # ... and its host time around the whole model call
+    policy.record_overhead = lambda k, b, seconds: (hosted.append((k, b)), record_overhead(k, b, seconds))
     kit.OracleDrafts(engine, expected, hit_rate=0.7, seed=2)
     assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
     assert set(ran) == {0, 1, 2}, "some k never took its one-call step"
     assert splits and all(0 < rows < size and seconds > 0 for _, rows, seconds, size in splits)
     assert all((k, rows, seconds) in timed for k, rows, seconds, _ in splits)
+    assert {(k, rows) for k, rows, *_ in splits} & set(hosted)
     assert "no decode-step graph from the warm-up fits" not in caplog.text, "the warm-up missed a step shape"
 
 

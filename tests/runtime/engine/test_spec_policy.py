@@ -643,12 +643,14 @@ def test_the_host_s_time_around_each_step_is_part_of_its_cost():
     assert policy.overhead(0, 1) == 0.0 and policy.choose(1) == 0
     policy.record_overhead(0, 1, 1.0)
     assert policy.cost(0, 1) == pytest.approx(2.0)
-    assert policy.cost(1, 1) == pytest.approx(3.0)  # the nearest depth's host time stands in for k = 1's
-    assert policy.cost(0, 16) == pytest.approx(2.0)  # ... and the nearest bucket's for batch 16's
+    assert policy.cost(1, 1) == pytest.approx(3.0)  # one estimate a bucket, for every depth
+    assert policy.cost(0, 16) == pytest.approx(2.0)  # the nearest bucket's stands in for batch 16's
     assert policy.choose(1) == 1
-    policy.record_overhead(1, 1, 0.5)
-    assert policy.cost(1, 1) == pytest.approx(2.5) and policy.cost(0, 1) == pytest.approx(2.0)
-    policy.record_overhead(0, 1, 10.0)  # a pause between two steps: counted as 1.5 x the estimate
-    assert policy.overhead(0, 1) == pytest.approx(1.0 + 0.1 * (1.5 - 1.0))
+    policy.record_overhead(1, 1, 0.8)  # the depth in use keeps it up for every depth
+    assert policy.overhead(0, 1) == policy.overhead(1, 1) == pytest.approx(1.0 + 0.1 * (0.8 - 1.0))
+    policy.record_overhead(1, 1, 10.0)  # a pause between two steps: counted as 1.5 x the estimate
+    assert policy.overhead(0, 1) == pytest.approx(0.98 + 0.1 * (1.5 * 0.98 - 0.98))
     policy.record_overhead(0, 1, -1.0)  # no such interval: ignored
-    assert policy.overhead(0, 1) == pytest.approx(1.05)
+    assert policy.overhead(0, 1) == pytest.approx(1.029)
+    policy.record_overhead(1, 16, 0.1)
+    assert policy.overhead(0, 16) == 0.1 and policy.overhead(0, 1) == pytest.approx(1.029)
