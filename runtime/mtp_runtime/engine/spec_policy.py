@@ -272,6 +272,7 @@ class AdaptivePolicy:
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # at unit load
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
     _overhead: dict[int, float] = field(init=False, default_factory=dict)  # per bucket: host seconds a step
+    _rows: dict[int, int] = field(init=False, default_factory=dict)  # per bucket: the last timed step's batch size
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
     _probe_k: int = field(init=False, default=0)
@@ -379,6 +380,14 @@ class AdaptivePolicy:
         if any(earlier != k for earlier in self._recent_k):
             return
         bucket = batch_bucket(batch_size)
+        if k == self._current:
+            self._rows[bucket] = batch_size
+        elif batch_size != self._rows.get(bucket, batch_size):
+            # A probe tells how its depth compares with the one in use, so it counts only at the batch
+            # size the depth in use last ran in this bucket: at an open batch of 4, a probe timed at 3
+            # rows (one row prefilling) looked a quarter cheaper, and the policy speculated where k = 0
+            # was best.
+            return
         key = (k, bucket)
         load = self._load.setdefault(bucket, 1.0)
         cost = self._costs.get(key)

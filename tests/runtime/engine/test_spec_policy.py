@@ -256,6 +256,23 @@ def test_the_first_two_steps_after_one_at_another_depth_are_not_timed():
     assert policy.cost(1, 4) == pytest.approx(1.7, rel=0.02)
 
 
+def test_a_probe_counts_only_at_the_batch_size_the_depth_in_use_last_ran_in_its_bucket():
+    """Batch sizes 3 and 4 share a bucket; at an open batch of 4 a step with one row prefilling decodes 3
+    (its one-call part is timed apart), and a probe timed there looked a quarter cheaper."""
+    policy = _seeded(AdaptivePolicy(1, probe_interval=1), lambda k, b: 1.0 + k)  # k = 0 in use, at 4 rows
+    policy.record_verifies([(1, 0)] * 4)  # (not a fresh policy, which would probe at once)
+    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]  # a probe; its third step is timed ...
+    policy.record_step(1, 3, 1.5)  # ... at 3 rows: not counted
+    assert policy.cost(1, 4) == 2.0
+    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]
+    policy.record_step(1, 4, 1.5)  # at 4 rows it is
+    assert policy.cost(1, 4) < 2.0
+    policy._until_probe = 10**6
+    assert [policy.choose(4) for _ in range(3)] == [0, 0, 0]
+    policy.record_step(0, 3, 0.75)  # the depth in use counts at any size in the bucket ...
+    assert policy._rows[4] == 3  # ... and sets the size its probes are compared at
+
+
 def test_a_probe_s_step_counts_once_the_two_steps_before_ran_its_depth():
     # p = 0.5: k = 1 gives 1.5 tokens for 2.0 and k = 0 one for 1.0; a probe every 2 steps
     policy = _seeded(AdaptivePolicy(1, probe_interval=2), lambda k, b: 1.0 + k)
