@@ -43,8 +43,11 @@ adaptive engine that held it ran ~10% below fixed k = 0 with a probe of three
 steps every ~128 (the steps at the higher k, the cold steps on both sides, the
 fill of the draft keys left out). So the gap doubles after every probe that
 changed nothing, up to `probe_backoff` (4) times `probe_interval`; a change of
-depth, or a probe that moved its depth's cost by more than `probe_settled`
-(3%), sets it back. A probe lasts `probe_steps` (3) steps: its first ones run
+depth, or a probe after which its depth scored within `probe_close` (10%) of
+the depth in use, sets it back. (A probe that moved its depth's cost by more
+than 3% used to set it back; timings at batch 4 are noisy by more than that,
+the gap seldom grew, and with a draft that never agreed an engine held at
+k = 0 ran 0.93x fixed k = 0.) A probe lasts `probe_steps` (3) steps: its first ones run
 cold and are not timed, and at a higher k than the one before it verifies
 filler for the drafts the earlier step did not make (engine:
 `Sequence.num_real_drafts`; only real drafts are counted as evidence). A probe
@@ -139,7 +142,11 @@ and is timed as a decode step of its rows. With decode-only steps alone, a
 server at concurrency 32 (32 requests of 64 tokens, at about 2 tokens a
 step, admit about one request a step) timed few steps, its probes hardly
 any, and its costs stayed near the start-up's, from dummy steps at 48 cached
-tokens.
+tokens. A probe compares its depth with the one in use, so its step counts
+only at the batch size the depth in use last ran in that bucket (3 and 4
+share one: at an open batch of 4, a probe's step with one row prefilling,
+3 rows decoding, looked a quarter cheaper than the depth in use's 4-row steps,
+and the policy ran k = 2 where k = 0 was about 10% faster).
 
 The choice itself is cheap but not free (the scores: 4 us at batch 1, 7 at
 batch 16, where a graph-mode step at batch 1 is 0.8 ms), and from one step to
@@ -234,10 +241,10 @@ class AdaptivePolicy:
     # one's filler), about 1% of the tokens at this interval
     probe_interval: int = 128
     # the gap between probes doubles after each probe that changed nothing, up to this many times the
-    # interval; a change of depth, or a probe that moved its depth's cost by more than probe_settled,
+    # interval; a change of depth, or a probe whose depth scored within probe_close of the depth in use,
     # sets it back (module docstring)
     probe_backoff: int = 4
-    probe_settled: float = 0.03
+    probe_close: float = 0.1
     probe_steps: int = 3
     cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
     # an open batch's choice is revised every this many steps, at once when its bucket changes or a
@@ -279,7 +286,7 @@ class AdaptivePolicy:
     _until_probe: int = field(init=False, default=0)
     _probe_turn: int = field(init=False, default=0)
     _probe_scale: int = field(init=False, default=1)  # the probe interval's multiple now (probe_backoff)
-    _probe_moved: bool = field(init=False, default=True)  # a probe since the last probe time moved a cost
+    _probe_close_call: bool = field(init=False, default=True)  # a probe since the last probe time came close
     _last_batch: int = field(init=False, default=0)  # the batch size of the last choice
     _drain_wait: int = field(init=False, default=0)
     _revise_wait: int = field(init=False, default=0)  # steps until an open batch's choice is revised
@@ -312,6 +319,8 @@ class AdaptivePolicy:
         if min(self.probe_interval, self.drain_interval, self.probe_backoff, self.revise_interval) < 1:
             raise ValueError("AdaptivePolicy: probe_interval, drain_interval, probe_backoff and revise_interval "
                              "must be >= 1")
+        if not 0 <= self.probe_close < 1:
+            raise ValueError(f"AdaptivePolicy: probe_close={self.probe_close} must lie in [0, 1)")
         if self.outlier_ratio <= 1:
             raise ValueError(f"AdaptivePolicy: outlier_ratio={self.outlier_ratio} must be > 1")
         if self.drain_budget <= 0:
@@ -404,10 +413,10 @@ class AdaptivePolicy:
             # after step; what a probe tells is how this depth compares with it, so it moves this depth's
             # own cost, and fast: probes are rare, and the depths not in use are otherwise known only from
             # the start-up's dummy steps, which can be off by more than the margin between two depths.
-            before = cost.seconds
             cost.seconds += max(self.probe_cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
-            if abs(cost.seconds - before) > self.probe_settled * before:
-                self._probe_moved = True
+            scores = self.scores(batch_size)  # (its verifies, if any, are in: the engine records them first)
+            if scores[self._current] and (scores[k] or 0.0) >= (1.0 - self.probe_close) * scores[self._current]:
+                self._probe_close_call = True
             return
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
@@ -716,8 +725,8 @@ class AdaptivePolicy:
         self._until_probe -= 1
         if self._until_probe <= 0:
             # (a switch sets it back too)
-            self._probe_scale = 1 if self._probe_moved else min(2 * self._probe_scale, self.probe_backoff)
-            self._probe_moved = False
+            self._probe_scale = 1 if self._probe_close_call else min(2 * self._probe_scale, self.probe_backoff)
+            self._probe_close_call = False
             self._until_probe = self._next_probe_gap()
             self._probe_turn += 1
             turn = self._probe_turn

@@ -578,6 +578,32 @@ def test_probes_that_change_nothing_come_less_often_until_something_changes():
         AdaptivePolicy(1, probe_backoff=0)
 
 
+def test_a_probe_whose_depth_comes_close_keeps_the_probes_coming_and_noisy_timings_do_not():
+    """The gap between probes grows while probes change nothing. What counts is the choice: a probed depth
+    that scored within probe_close (10%) of the depth in use keeps the gap as it is; timings noisier
+    than 3% (batch 4) do not, where a draft that never agrees leaves no depth near k = 0."""
+    rng = random.Random(1)
+
+    def run(accept):
+        policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, seed=2), lambda k, b: 1.0 + 1.1 * k)
+        scales = []
+        for _ in range(600):
+            k = policy.choose(4)
+            policy.record_step(k, 4, (1.0 + 1.1 * k) * rng.uniform(0.85, 1.15))  # +-15% noise
+            if k:
+                policy.record_verifies([(1, accept)] * 4)
+            policy.end_step()
+            scales.append(policy._probe_scale)
+        return scales
+
+    never = run(0)[300:]  # a draft that never agrees: k = 1 at 1 / 2.1 of k = 0
+    assert never.count(4) > 200  # probes every ~64 steps
+    close = run(1)[300:]  # every draft agrees: k = 1 at 2 / 2.1 = 0.95 of k = 0, close each time
+    assert close.count(1) > 250 and 4 not in close
+    with pytest.raises(ValueError, match="probe_close"):
+        AdaptivePolicy(1, probe_close=1.0)
+
+
 def test_the_draft_s_pass_over_the_prompts_to_come_is_charged_to_speculating():
     """Bench preset, batch 4: a k = 1 step gains 1.9 tokens for 1.6 of a k = 0 step's cost, a win of
     19% per step, but at k > 0 every prompt is passed over by the draft too (41 us a position at batch
