@@ -341,18 +341,18 @@ class LLMEngine:
             # The model step's time, as the start-up's dummy steps are timed; the host's time around it is
             # measured apart, from this step's entry to the next's (`record_overhead`)
             if all(decoding) and all(c == 1 for c in batch.num_chunk_tokens):
-                self.policy.record_step(k, len(batch), now - start)
-                if self.has_unfinished_requests():  # the caller steps again at once
-                    self._open_step = (k, len(batch), now - start, entered)
-            elif self.runner.last_decode_part is not None:
+                timed = (len(batch), now - start)
+            else:
                 # Prompt chunks beside the decodes (a server admits a request nearly every step at high
-                # concurrency): the decodes ran as one call of their own, timed apart. Left out, a
-                # depth's cost at such a load came from the start-up and the rare decode-only steps,
-                # its probes went untimed, and a server at concurrency 32 ran k >= 2 where only k = 1 beat k = 0.
-                rows, seconds = self.runner.last_decode_part
-                self.policy.record_step(k, rows, seconds)
-                if self.has_unfinished_requests():  # its host time, around the whole model call
-                    self._open_step = (k, rows, now - start, entered)
+                # concurrency): the decodes ran as one call of their own, timed apart (None: they did
+                # not). Left out, a depth's cost at such a load came from the start-up and the rare
+                # decode-only steps, its probes went untimed, and a server at concurrency 32 ran k >= 2
+                # where only k = 1 beat k = 0.
+                timed = self.runner.last_decode_part
+            if timed is not None:
+                self.policy.record_step(k, *timed)
+                if self.has_unfinished_requests():  # the caller steps again at once: its host time
+                    self._open_step = (k, timed[0], now - start, entered)
             positions, seconds = self.runner.take_draft_pass()
             if positions:
                 self.policy.record_draft_pass(positions, seconds)

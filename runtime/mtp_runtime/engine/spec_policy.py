@@ -46,10 +46,10 @@ changed nothing, up to `probe_backoff` (4) times `probe_interval`; a change of
 depth, or a probe after which its depth scored within `probe_close` (10%) of
 the depth in use, sets it back. (A probe that moved its depth's cost by more
 than 3% used to set it back; timings at batch 4 are noisy by more than that,
-the gap seldom grew, and with a draft that never agreed an engine held at
-k = 0 ran 0.93x fixed k = 0.) A probe lasts `probe_steps` (3) steps: its first ones run
-cold and are not timed, and at a higher k than the one before it verifies
-filler for the drafts the earlier step did not make (engine:
+the gap seldom grew, and with a draft that never agreed an engine held at k =
+0 ran 0.93x fixed k = 0.) A probe lasts `probe_steps` (3) steps: its first
+ones run cold and are not timed, and at a higher k than the one before it
+verifies filler for the drafts the earlier step did not make (engine:
 `Sequence.num_real_drafts`; only real drafts are counted as evidence). A probe
 of a lower k only refreshes its cost and comes every second probe time: the
 load factor, moved by the depth in use alone, also carries that depth's own
@@ -366,7 +366,7 @@ class AdaptivePolicy:
             hit_to[accepted] += 1
         tried = hit = 0
         scale, long_scale = self._scale, self._long_scale
-        if tried_to[1:] != [0] * K:
+        if not self._verified and any(tried_to[1:]):
             self._verified = True
         for j in range(K, 0, -1):  # draft j was tried by every sequence that reached j or more
             tried += tried_to[j]
