@@ -131,6 +131,8 @@ class LLMEngine:
         self.policy = policy or make_policy(config.num_speculative_tokens, config.speculative_adaptive,
                                             config.seed)
         self.runner = ModelRunner(config)
+        if self.policy.adaptive:  # (graph mode: a greedy prompt's first drafts wait for its first decode step)
+            self.policy.first_drafts_deferred = bool(self.runner.decode_steps)
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(
@@ -275,6 +277,8 @@ class LLMEngine:
         which rows decode (they verified drafts before the cut)."""
         decoding = [nd > 0 for nd in batch.num_draft_tokens]
         if not self.policy.adaptive:
+            # (filler, where a prompt's first drafts were deferred, is no draft: ModelRunner._set_drafts)
+            batch.num_real_drafts = [seq.num_real_drafts if d else 0 for seq, d in zip(batch.seqs, decoding)]
             return decoding
         draining = None
         if self.closed_batch and not self.scheduler.waiting and self._inbox.empty():

@@ -401,13 +401,25 @@ class ModelRunner:
             self._set_drafts(seq, row, None, row[-1])
         return [t[:a + 1] for t, a in zip(targets, accepted)], accepted
 
+    def _defers_first_drafts(self, batch: ScheduledBatch) -> bool:
+        """Whether this step's sequences that sample (each finishing its prompt: no decode row among
+        them) get filler instead of drafts: in graph mode, greedy ones whose next step is a one-call
+        decode step. Their first drafts would cost the draft's attention and MLP at the last prompt
+        position and k - 1 chained eager draft steps for those few rows (bench preset, batch 4: 1.6 ms
+        at k = 1 to 2.9 ms at k = 3 a prompt, against a 2.8 ms decode step at k = 3); that one-call step
+        verifies the filler (a token gained, as at k = 0) and drafts from it as from any other row."""
+        return batch.num_speculative_tokens in self.decode_steps and all(
+            nd == 0 and seq.params.greedy
+            for seq, nd, samples in zip(batch.seqs, batch.num_draft_tokens, batch.samples) if samples)
+
     def _set_drafts(self, seq: Sequence, drafts: list[int], probs: torch.Tensor | None, last: int) -> None:
-        """The step's proposals for `seq` (and their distribution [k, V] when it samples). With adaptive
-        depth they are padded to K with the last token (`last`) as filler so the next step may verify up
-        to K; filler is drafted with certainty (its q is one-hot), which keeps speculative sampling
-        exact: it is accepted with the target's probability of that token."""
+        """The step's proposals for `seq` (and their distribution [k, V] when it samples), padded to K
+        with the last token (`last`) as filler where fewer were drafted (adaptive depth, so that the
+        next step may verify up to K; a prompt's deferred first drafts, `_defers_first_drafts`); filler
+        is drafted with certainty (its q is one-hot), which keeps speculative sampling exact: it is
+        accepted with the target's probability of that token."""
         seq.num_real_drafts = len(drafts)
-        fill = self.k - len(drafts) if self.adaptive else 0
+        fill = self.k - len(drafts)
         seq.draft_token_ids = drafts + [last] * fill
         if probs is None and fill and not seq.params.greedy:
             probs = torch.zeros(0, self.vocab_size, device=self.device)
@@ -484,7 +496,7 @@ class ModelRunner:
         d_slots: list[int] = []
         d_qsl = [0]
         d_context = []
-        last_rows, next_pos, samplers = [], [], []
+        last_rows, next_pos, samplers, lasts = [], [], [], []
         for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.num_chunk_tokens)):
             start = seq.num_cached_tokens
             n = chunk + accepted[i]  # positions start .. start+n-1 are final now
@@ -501,11 +513,15 @@ class ModelRunner:
                 last_rows.append(d_qsl[-1] - 1)
                 next_pos.append(start + n)
                 samplers.append(seq)
+                lasts.append(new_tokens[i][-1])
         tables = [seq.block_table for seq in batch.seqs]
         meta = AttentionMetadata(d_qsl, d_context, tables, self._tensor(d_slots), self.block_size)
         args = (self._tensor(ids), hidden[self._tensor(rows)], self._tensor(rows_positions(meta)), self.draft_caches)
-        if not samplers:  # chunks of prompts still prefilling: their keys only, no attention or MLP
+        deferred = bool(samplers) and self._defers_first_drafts(batch)
+        if not samplers or deferred:  # chunks of prompts still prefilling: their keys only, no attention or MLP
             self.draft.write_keys(*args, meta)
+            for seq, last in zip(samplers, lasts):  # (deferred: filler, for the one-call step to verify)
+                self._set_drafts(seq, [], None, last)
             return
         padded = meta.decode_batch()
         if self.draft.graph_enabled and padded is not None and padded.n <= k + 1:

@@ -303,6 +303,10 @@ class AdaptivePolicy:
     _pass_seconds: float = field(init=False, default=0.0)
     _prompt_tokens: float = field(init=False, default=0.0)  # decayed sums over finished requests
     _output_tokens: float = field(init=False, default=0.0)
+    _requests: float = field(init=False, default=0.0)
+    # set by the engine: a greedy prompt's first drafts wait for its first decode step (graph mode), which
+    # verifies filler (module docstring)
+    first_drafts_deferred: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_k, int) or self.max_k < 1:
@@ -476,6 +480,7 @@ class AdaptivePolicy:
             return
         self._prompt_tokens = self._prompt_tokens * self.request_decay + prompt_tokens
         self._output_tokens = self._output_tokens * self.request_decay + output_tokens
+        self._requests = self._requests * self.request_decay + 1
 
     def draft_pass_seconds(self) -> tuple[float, float]:
         """(seconds per position of the draft's pass over a prompt or a fill, prompt positions per
@@ -570,8 +575,14 @@ class AdaptivePolicy:
         costs = self.step_costs(batch_size)
         position, ratio = self.draft_pass_seconds()
         per_token = batch_size * position * ratio
+        expected = self.expected_tokens_by_depth()
+        decoded = self._output_tokens - self._requests  # tokens of decode steps (a prompt's step makes one)
+        if self.first_drafts_deferred and decoded > 0:
+            # a request's first decode step verifies filler: its m decode tokens take 1 + (m - 1) / E steps
+            per_request = self._requests / decoded
+            expected = [e / (1.0 + per_request * (e - 1.0)) for e in expected]
         return [None if c is None else e / (c + (per_token * e if k else 0.0))
-                for k, (e, c) in enumerate(zip(self.expected_tokens_by_depth(), costs))]
+                for k, (e, c) in enumerate(zip(expected, costs))]
 
     def sequence_expected_tokens(self, tried: list[int], accepted: list[int],
                                  acceptance: list[float] | None = None) -> list[float]:

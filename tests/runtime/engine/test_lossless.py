@@ -124,6 +124,38 @@ def test_graph_mode_output_is_identical_to_plain_decoding(kit, tiny_models, arch
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_graph_mode_defers_a_prompt_s_first_drafts_to_its_one_call_step(kit, tiny_models):
+    """In graph mode a greedy prompt's step writes its draft keys only and leaves filler: its first
+    decode step, one call, verifies the filler and drafts. The output is plain decoding's, the filler
+    is not counted as drafts, and in eager mode (no one-call step) a prompt's step drafts as before."""
+    arch = "deepseek_v3"
+    spec = SCENARIOS["mixed-chunked-prefix"]
+    expected = reference(kit, tiny_models, arch, "mixed-chunked-prefix")
+    for graph in (True, False):
+        engine = kit.make_engine(tiny_models[arch], 2, enable_graph=graph, block_size=8, **spec["options"])
+        execute, reals = engine.runner.execute, {}
+
+        def observed(batch, execute=execute):
+            # drafts the draft model made, per verifying row (the engine's snapshot before the step)
+            for seq, nd, real in zip(batch.seqs, batch.num_draft_tokens, batch.num_real_drafts):
+                if nd:
+                    reals.setdefault(seq.request_id, []).append(real)
+            return execute(batch)
+
+        engine.runner.execute = observed
+        assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
+        assert len(reals) == 6 and all(len(r) > 1 for r in reals.values())
+        first = [r[0] for r in reals.values()]
+        assert first == [0 if graph else 2] * 6, graph
+        assert all(real == 2 for r in reals.values() for real in r[1:])
+        # the metrics count real drafts only
+        scheduler = engine.scheduler
+        assert scheduler.draft_tokens == sum(map(sum, reals.values()))
+        assert scheduler.verify_steps == sum(1 for r in reals.values() for real in r if real)
+
+
 def test_graph_mode_is_refused_for_v32(kit, tiny_models):
     with pytest.raises(ValueError, match="enable_graph: not supported for deepseek_v32"):
         kit.make_engine(tiny_models["deepseek_v32"], 1, enable_graph=True)

@@ -630,6 +630,30 @@ def test_the_draft_s_pass_over_the_prompts_to_come_is_charged_to_speculating():
     assert policy.choose(1) == 1  # at batch 1 the pass is shared by fewer tokens' steps: 1.9 / 1.71
 
 
+def test_a_request_s_first_decode_step_verifying_filler_is_charged_where_first_drafts_wait():
+    """Graph mode defers a prompt's first drafts to its first decode step, which gains one token: a
+    request of m decode tokens takes 1 + (m - 1) / E steps, E / (1 + (E - 1) / m) tokens a step."""
+    policy = _seeded(AdaptivePolicy(2, prior_weight=1e-9, probe_interval=10**6, revise_interval=1),
+                     lambda k, b: 1.0 + 0.2 * k)
+    for _ in range(40):
+        policy.record_verifies([(2, 2)] * 3 + [(2, 0)])
+    for _ in range(20):
+        policy.record_request(16, 5)  # 4 decode tokens a request
+    plain = policy.scores(1)
+    e = policy.expected_tokens_by_depth()  # 1, 1.75, 2.5
+    assert plain == pytest.approx([e[k] / (1.0 + 0.2 * k) for k in range(3)])
+    assert policy.choose(1) == 2
+    policy.first_drafts_deferred = True
+    deferred = policy.scores(1)
+    assert deferred == pytest.approx([e[k] / (1.0 + (e[k] - 1.0) / 4) / (1.0 + 0.2 * k) for k in range(3)])
+    assert deferred[0] == plain[0] and deferred[2] < plain[2]
+    assert policy.choose(1) == 2  # 2.5 / 1.375 = 1.82 tokens a step still, for 1.4 of k = 0's cost
+    for _ in range(400):
+        policy.record_request(16, 2)  # one decode step a request, and it verifies filler: no gain
+    assert policy.scores(1) == pytest.approx([1.0 / (1.0 + 0.2 * k) for k in range(3)], rel=1e-3)
+    assert policy.choose(1) == 0
+
+
 def test_a_closed_batch_charges_the_positions_the_draft_has_not_passed_over_to_k_above_0():
     policy = _closed_batch_policy(drain_interval=1)
     policy.record_draft_pass(1000, 1000 * 0.01)  # k = 1: ~50 s of steps and 20 s of passes, k = 0: 60 s
