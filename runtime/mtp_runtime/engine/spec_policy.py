@@ -292,6 +292,8 @@ class AdaptivePolicy:
     _revise_wait: int = field(init=False, default=0)  # steps until an open batch's choice is revised
     _revise_bucket: int = field(init=False, default=0)  # the batch bucket it was last revised for
     _verified: bool = field(init=False, default=False)  # a real draft has been verified (a fresh policy has not)
+    _untimed: int = field(init=False, default=0)  # chosen steps still to come that are not timed (a fresh probe)
+    _timing: bool = field(init=False, default=True)  # whether the step chosen last is timed
     # the k of the last cold_steps + 1 steps chosen, the last one's last (empty: no step chosen yet)
     _recent_k: deque = field(init=False)
     _rng: random.Random = field(init=False)
@@ -388,7 +390,7 @@ class AdaptivePolicy:
         chunk in the timing would charge its prefill to k), the step `choose` gave k last. Not timed
         when one of the `cold_steps` steps before it ran another depth (module docstring); steps
         recorded without `choose` (the start-up's) are timed as given."""
-        if not 0 <= k <= self.max_k or batch_size < 1 or seconds <= 0:
+        if not 0 <= k <= self.max_k or batch_size < 1 or seconds <= 0 or not self._timing:
             return
         if any(earlier != k for earlier in self._recent_k):
             return
@@ -681,6 +683,9 @@ class AdaptivePolicy:
         with two or more, the k that finishes them soonest is chosen (module docstring)."""
         k = self._choose(batch_size, draining)
         self._recent_k.append(k)
+        self._timing = not self._untimed
+        if self._untimed:
+            self._untimed -= 1
         return k
 
     def _choose(self, batch_size: int, draining) -> int:
@@ -727,6 +732,10 @@ class AdaptivePolicy:
                 # 160 steps away; try the deepest k now. (Once drafts were verified the probes alone
                 # bring speculation back: this test, when it asked whether any draft was verified in
                 # the last few hundred steps, probed an engine held at k = 0 every ~220 steps besides.)
+                # Its steps are not timed: they are the engine's first, colder than any after them
+                # (bench preset, batch 1: the first two k = 3 steps took 1.86 and 1.41 ms against 0.85
+                # measured at start-up and ~1.03 later, and the policy held k = 1 for 2000 steps).
+                self._untimed = self.probe_steps
                 return self._start_probe(self.max_k)
             best = max(range(len(scores)), key=lambda k: scores[k])
             current = scores[self._current]

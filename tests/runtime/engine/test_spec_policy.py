@@ -307,6 +307,14 @@ def test_a_fresh_policy_tries_the_deepest_k_before_settling_on_the_prior_s_choic
         policy.record_step(k, 1, 1.0 + 0.4 * k)
         policy.end_step()
     assert chosen[:2] == [3, 3] and chosen[2:] == [3] * 18
+    # the probe's own steps, the engine's first and coldest, are not timed: the step after them is
+    fresh = _seeded(AdaptivePolicy(3, seed=2), lambda k, b: 1.0 + 0.4 * k)
+    for step in range(4):
+        k = fresh.choose(1)
+        fresh.record_verify(k, k)
+        fresh.record_step(k, 1, 5.0)  # far off the start-up's 2.2 (an outlier moves it as 1.5 times off)
+        fresh.end_step()
+        assert k == 3 and (fresh.cost(3, 1) == pytest.approx(2.2)) == (step < 3)
     # once drafts have been verified, a policy at k = 0 waits for its probes, however long ago that was
     settled = _seeded(AdaptivePolicy(1, probe_interval=10**6), lambda k, b: 1.0 + k)
     settled.record_verifies([(1, 0)] * 4)
