@@ -245,6 +245,9 @@ class AdaptivePolicy:
     # sets it back (module docstring)
     probe_backoff: int = 4
     probe_close: float = 0.1
+    # ... and a probe whose steps cost more than the depth in use's waits until that extra is at most this
+    # share of the time since the last probe (module docstring)
+    probe_budget: float = 0.02
     probe_steps: int = 3
     cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
     # an open batch's choice is revised every this many steps, at once when its bucket changes or a
@@ -287,6 +290,7 @@ class AdaptivePolicy:
     _probe_turn: int = field(init=False, default=0)
     _probe_scale: int = field(init=False, default=1)  # the probe interval's multiple now (probe_backoff)
     _probe_close_call: bool = field(init=False, default=True)  # a probe since the last probe time came close
+    _since_probe: int = field(init=False, default=0)  # choices since the last probe time
     _last_batch: int = field(init=False, default=0)  # the batch size of the last choice
     _drain_wait: int = field(init=False, default=0)
     _revise_wait: int = field(init=False, default=0)  # steps until an open batch's choice is revised
@@ -327,6 +331,8 @@ class AdaptivePolicy:
                              "must be >= 1")
         if not 0 <= self.probe_close < 1:
             raise ValueError(f"AdaptivePolicy: probe_close={self.probe_close} must lie in [0, 1)")
+        if self.probe_budget <= 0:
+            raise ValueError(f"AdaptivePolicy: probe_budget={self.probe_budget} must be > 0")
         if self.outlier_ratio <= 1:
             raise ValueError(f"AdaptivePolicy: outlier_ratio={self.outlier_ratio} must be > 1")
         if self.drain_budget <= 0:
@@ -742,24 +748,42 @@ class AdaptivePolicy:
             if best != self._current and scores[best] > current * (1 + self.switch_margin):
                 self._current = best
                 self._probe_scale = 1
+        self._since_probe += 1
         self._until_probe -= 1
         if self._until_probe <= 0:
-            # (a switch sets it back too)
-            self._probe_scale = 1 if self._probe_close_call else min(2 * self._probe_scale, self.probe_backoff)
-            self._probe_close_call = False
-            self._until_probe = self._next_probe_gap()
-            self._probe_turn += 1
-            turn = self._probe_turn
+            turn = self._probe_turn + 1
             higher = list(range(self._current + 1, self.max_k + 1))
             lower = list(range(self._current))
             # a higher k (its acceptance may have recovered) and a lower k, whose cost is all there is
             # to refresh, in turn (module docstring)
+            target = None
             if lower and (turn % 2 == 0 or not higher):
                 if turn % 2 == 0:
-                    return self._start_probe(lower[(turn // 2) % len(lower)])
+                    target = lower[(turn // 2) % len(lower)]
             elif higher:
-                return self._start_probe(higher[turn % len(higher)])
+                target = higher[turn % len(higher)]
+            wait = 0 if target is None else self._probe_wait(target, batch_size)
+            if wait:  # a dear probe waits until the steps since the last one pay for it (probe_budget)
+                self._until_probe = wait
+                return self._current
+            # (a switch sets it back too)
+            self._probe_scale = 1 if self._probe_close_call else min(2 * self._probe_scale, self.probe_backoff)
+            self._probe_close_call = False
+            self._until_probe = self._next_probe_gap()
+            self._probe_turn, self._since_probe = turn, 0
+            if target is not None:
+                return self._start_probe(target)
         return self._current
+
+    def _probe_wait(self, k: int, batch_size: int) -> int:
+        """Steps a probe of depth k must still wait for its steps' cost above the depth in use's to be
+        at most `probe_budget` of the time since the last probe (module docstring); 0: probe now."""
+        costs = self.step_costs(max(1, batch_size))
+        now, then = costs[self._current], costs[k]
+        if now is None or then is None or then <= now:
+            return 0
+        paid_by = self.probe_steps * (then - now) / (self.probe_budget * now)  # steps at the depth in use
+        return max(0, math.ceil(paid_by - self._since_probe))
 
     def _start_probe(self, k: int) -> int:
         self._probe_k, self._probe_left = k, self.probe_steps - 1

@@ -259,7 +259,7 @@ def test_the_first_two_steps_after_one_at_another_depth_are_not_timed():
 def test_a_probe_counts_only_at_the_batch_size_the_depth_in_use_last_ran_in_its_bucket():
     """Batch sizes 3 and 4 share a bucket; at an open batch of 4 a step with one row prefilling decodes 3
     (its one-call part is timed apart), and a probe timed there looked a quarter cheaper."""
-    policy = _seeded(AdaptivePolicy(1, probe_interval=1), lambda k, b: 1.0 + k)  # k = 0 in use, at 4 rows
+    policy = _seeded(AdaptivePolicy(1, probe_interval=1, probe_budget=1e9), lambda k, b: 1.0 + k)  # k = 0, 4 rows
     policy.record_verifies([(1, 0)] * 4)  # (not a fresh policy, which would probe at once)
     assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]  # a probe; its third step is timed ...
     policy.record_step(1, 3, 1.5)  # ... at 3 rows: not counted
@@ -275,7 +275,7 @@ def test_a_probe_counts_only_at_the_batch_size_the_depth_in_use_last_ran_in_its_
 
 def test_a_probe_s_step_counts_once_the_two_steps_before_ran_its_depth():
     # p = 0.5: k = 1 gives 1.5 tokens for 2.0 and k = 0 one for 1.0; a probe every 2 steps
-    policy = _seeded(AdaptivePolicy(1, probe_interval=2), lambda k, b: 1.0 + k)
+    policy = _seeded(AdaptivePolicy(1, probe_interval=2, probe_budget=1e9), lambda k, b: 1.0 + k)
     policy.record_verifies([(1, 1), (1, 0)])
     assert policy.choose(1) == 0
     policy.record_step(0, 1, 1.0)
@@ -385,7 +385,7 @@ def test_probes_correct_a_start_up_estimate_of_a_depth_not_in_use():
     steps.)"""
     seeded = {0: 1.0, 1: 2.0}
     real = {0: 1.0, 1: 1.6}
-    policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16)
+    policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, probe_budget=1e9)
     for _ in range(5):  # as the engine's warm-up: five dummy steps at each depth
         _seeded(policy, lambda k, b: seeded[k])
     for _ in range(10):
@@ -593,7 +593,8 @@ def test_a_probe_whose_depth_comes_close_keeps_the_probes_coming_and_noisy_timin
     rng = random.Random(1)
 
     def run(accept):
-        policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, seed=2), lambda k, b: 1.0 + 1.1 * k)
+        policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, seed=2, probe_budget=1e9),
+                         lambda k, b: 1.0 + 1.1 * k)
         scales = []
         for _ in range(600):
             k = policy.choose(4)
@@ -610,6 +611,39 @@ def test_a_probe_whose_depth_comes_close_keeps_the_probes_coming_and_noisy_timin
     assert close.count(1) > 250 and 4 not in close
     with pytest.raises(ValueError, match="probe_close"):
         AdaptivePolicy(1, probe_close=1.0)
+
+
+def test_a_dear_probe_waits_until_the_steps_since_the_last_one_pay_for_it():
+    """Closed batches of 16 on the bench preset: a k = 1 step cost twice a k = 0 step, and a probe every
+    ~128 steps (its three steps, the fill, the cold steps after) cost the policy held at k = 0 9% of
+    its speed. A probe whose steps cost more than the depth in use's waits until that extra is at most
+    probe_budget (2%) of the steps since the last probe; a probe of a cheaper depth does not wait."""
+    def run(k_cost, accept, budget=0.02, steps=3000):
+        policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, seed=2, probe_budget=budget),
+                         lambda k, b: 1.0 + (k_cost - 1.0) * k)
+        chosen = []
+        for _ in range(steps):
+            k = policy.choose(16)
+            chosen.append(k)
+            if k:
+                policy.record_verifies([(1, accept)] * 16)
+            policy.record_step(k, 16, 1.0 + (k_cost - 1.0) * k)
+            policy.end_step()
+        return chosen
+
+    def starts(chosen, k):
+        return [i for i in range(1, len(chosen)) if chosen[i] == k and chosen[i - 1] != k]
+
+    held = run(2.0, 0)[100:]  # k = 0 in use; a probe's 3 steps at k = 1 cost 3 more: it waits 150 steps
+    gaps = [b - a for a, b in zip(starts(held, 1), starts(held, 1)[1:])]
+    assert len(gaps) > 10 and min(gaps) >= 150
+    free = run(2.0, 0, budget=1e9)[100:]  # (the interval alone: 16 steps, doubling up to 64)
+    assert max(b - a for a, b in zip(starts(free, 1), starts(free, 1)[1:])) <= 85
+    cheap = run(1.3, 1)[100:]  # every draft agrees: k = 1 in use (2 tokens for 1.3), probes of k = 0 cost less
+    gaps = [b - a for a, b in zip(starts(cheap, 0), starts(cheap, 0)[1:])]
+    assert cheap.count(1) > 2800 and gaps and max(gaps) <= 2 * 85  # (every second probe time)
+    with pytest.raises(ValueError, match="probe_budget"):
+        AdaptivePolicy(1, probe_budget=0)
 
 
 def test_the_draft_s_pass_over_the_prompts_to_come_is_charged_to_speculating():
