@@ -12,13 +12,14 @@ would). Systems: k = 0, fixed k = K, adaptive with K. Per 0.5 s: output tokens/s
 the mean k of the steps. Writes drift.json, drift.md and drift.png to OUT.
 
     python hack/bench_adaptive_drift.py MODEL_DIR BAD_DRAFT_DIR OUT [--batch 4] [--k 3] [--phase-seconds 10]
-        [--eager]
+        [--eager] [--output-spread 0]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -44,16 +45,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--phase-seconds", type=float, default=10.0)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-spread", type=int, default=0,
+                   help="each request's output length is drawn (seeded) from OUTPUT_LEN +- this. With equal "
+                        "lengths a batch at k = 0 stays in lockstep and prefills its replacements together, "
+                        "which no depth above 0 keeps up (the note in runtime/README.md)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="eager steps (default: the engine's default, graph mode "
                    "where it can run, its one-call step compiled ahead of time)")
-    return p.parse_args()
+    args = p.parse_args()
+    if not 0 <= args.output_spread < args.output_len:
+        p.error(f"--output-spread {args.output_spread} must lie in [0, --output-len {args.output_len})")
+    return args
 
 
 def run_system(args, k: int, adaptive: bool, prompts: list[list[int]]) -> list[tuple[float, int, int]]:
     """(seconds since start, the step's k, tokens it produced) for every step of the three phases."""
     engine = LLMEngine(EngineConfig(model=args.model_dir, num_speculative_tokens=k, speculative_adaptive=adaptive,
-                                    max_model_len=args.input_len + args.output_len + 16,
+                                    max_model_len=args.input_len + args.output_len + args.output_spread + 16,
                                     max_seqs_per_batch=args.batch, enable_prefix_cache=False,
                                     enable_graph=False if args.eager else None))
     runner = engine.runner
@@ -66,14 +74,17 @@ def run_system(args, k: int, adaptive: bool, prompts: list[list[int]]) -> list[t
         bad.use_main_head(runner.main.lm_head)
         bad.use_main_embedding(runner.main.model.embed_tokens)
         drafts[1] = bad
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    spread = random.Random(5)
+    params = [SamplingParams(temperature=0, ignore_eos=True,
+                             max_tokens=args.output_len + spread.randint(-args.output_spread, args.output_spread))
+              for _ in range(997)]
     served, in_flight, steps = 0, set(), []
 
     def top_up():
         nonlocal served
         while len(in_flight) < args.batch:
             rid = f"r{served}"
-            engine.add_request(rid, prompts[served % len(prompts)], params)
+            engine.add_request(rid, prompts[served % len(prompts)], params[served % len(params)])
             in_flight.add(rid)
             served += 1
 
