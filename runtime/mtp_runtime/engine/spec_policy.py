@@ -34,7 +34,8 @@ and the start-up's dummy steps) look dearer than they run, the cheapest the
 most, and the policy speculated where k = 0 was faster.
 
 Exploration: a policy at k = 0 that has seen no verify yet (a fresh engine:
-its acceptance is only the prior's) probes the deepest k at once; and every
+its acceptance is only the prior's) probes the deepest k at once, untimed (those
+are the engine's first steps, at up to twice their later cost); and every
 `probe_interval` steps (jittered, from `seed`, so runs repeat) the policy runs
 another k, in turn, so that every depth keeps being measured: when the draft
 turns bad the policy falls to k = 0, and the probes bring speculation back
@@ -44,7 +45,11 @@ steps every ~128 (the steps at the higher k, the cold steps on both sides, the
 fill of the draft keys left out). So the gap doubles after every probe that
 changed nothing, up to `probe_backoff` (4) times `probe_interval`; a change of
 depth, or a probe after which its depth scored within `probe_close` (10%) of
-the depth in use, sets it back. (A probe that moved its depth's cost by more
+the depth in use, sets it back; and a probe of a depth dearer than the one in
+use waits until its steps' extra cost is at most `probe_budget` (2%) of the time
+since the last probe (closed batches of 16: a k = 1 step cost twice a k = 0
+one, and with a close call every ~128 steps, its probes, fills and cold steps
+held the policy at 0.91x k = 0; now 1.01x). (A probe that moved its depth's cost by more
 than 3% used to set it back; timings at batch 4 are noisy by more than that,
 the gap seldom grew, and with a draft that never agreed an engine held at k =
 0 ran 0.93x fixed k = 0.) A probe lasts `probe_steps` (3) steps: its first
@@ -114,6 +119,13 @@ charges k > 0 the pass over the prompts to come, E[k] x (prompt positions per
 output token) positions per sequence and step; a closed batch, whose prompts
 are all in, is charged the positions of its sequences the draft has not
 passed over yet (a prompt still to prefill, keys left out at k = 0).
+
+In graph mode a greedy prompt's own first drafts wait for its first decode
+step (ModelRunner._defers_first_drafts: drafting them beside the prompt cost
+1.6-2.9 ms of eager draft steps at k = 1-3, bench preset), whose verify of
+filler gains one token: a request of m decode tokens then takes 1 + (m - 1) / E
+steps, and the policy counts E / (1 + (E - 1) / m) tokens a step at each depth
+(`first_drafts_deferred`, m from the finished requests).
 
 A step costs more than its model call: the host schedules it, updates the
 sequences, builds the outputs, and the caller hands them on (a server's
