@@ -214,15 +214,24 @@ def test_each_group_gets_its_own_ports_master_and_names(tmp_path):
 def test_group_ports_fall_back_to_free_ones_that_no_other_group_uses():
     from mtp_operator.local.launch import free_port_block
 
-    base = free_port_block(8)
-    data = yaml.safe_load(SAMPLE.read_text())["spec"]
-    # Group 2's master would land in group 2's HTTP block (base+4, base+5); group 1's block is busy.
-    data.update(nnodes=2, replicas=3, ports={"http": base, "master": base + 3})
-    spec = parse_spec(data)
-    with socket.socket() as busy:
-        busy.bind((LOOPBACK, base + 2))
-        busy.listen()
-        ports = choose_ports(spec, None, None, groups=3)
+    for _ in range(20):  # (another process may take a port of the block before this test binds it)
+        base = free_port_block(8)
+        data = yaml.safe_load(SAMPLE.read_text())["spec"]
+        # Group 2's master would land in group 2's HTTP block (base+4, base+5); group 1's block is busy.
+        data.update(nnodes=2, replicas=3, ports={"http": base, "master": base + 3})
+        spec = parse_spec(data)
+        with socket.socket() as busy:
+            # as a server binds: a port whose last connection lingers in TIME_WAIT counts as free
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                busy.bind((LOOPBACK, base + 2))
+            except OSError:
+                continue
+            busy.listen()
+            ports = choose_ports(spec, None, None, groups=3)
+            break
+    else:
+        pytest.fail("no block of 8 free ports stayed free long enough to bind one of them")
     http = [port for first, _ in ports for port in (first, first + 1)]
     masters = [master for _, master in ports]
     assert ports[0][0] == base and base + 2 not in http
