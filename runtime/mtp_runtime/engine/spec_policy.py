@@ -753,8 +753,12 @@ class AdaptivePolicy:
                 # Its steps are not timed: they are the engine's first, colder than any after them
                 # (bench preset, batch 1: the first two k = 3 steps took 1.86 and 1.41 ms against 0.85
                 # measured at start-up and ~1.03 later, and the policy held k = 1 for 2000 steps).
-                self._untimed = self.probe_steps
-                return self._start_probe(self.max_k)
+                # Where a prompt's first drafts wait for its first decode step, that step verifies filler:
+                # one step more keeps two verifies of real drafts in the probe.
+                k = self._start_probe(self.max_k)
+                self._probe_left += int(self.first_drafts_deferred)
+                self._untimed = self._probe_left + 1
+                return k
             best = max(range(len(scores)), key=lambda k: scores[k])
             current = scores[self._current]
             if best != self._current and scores[best] > current * (1 + self.switch_margin):

@@ -315,6 +315,15 @@ def test_a_fresh_policy_tries_the_deepest_k_before_settling_on_the_prior_s_choic
         fresh.record_step(k, 1, 5.0)  # far off the start-up's 2.2 (an outlier moves it as 1.5 times off)
         fresh.end_step()
         assert k == 3 and (fresh.cost(3, 1) == pytest.approx(2.2)) == (step < 3)
+    # where a prompt's first drafts wait for its first decode step (which verifies filler), one step more
+    deferred = _seeded(AdaptivePolicy(3, seed=2), lambda k, b: 1.0 + 0.4 * k)
+    deferred.first_drafts_deferred = True
+    for step in range(5):
+        k = deferred.choose(1)
+        deferred.record_verify(k, k)
+        deferred.record_step(k, 1, 5.0)
+        deferred.end_step()
+        assert k == 3 and (deferred.cost(3, 1) == pytest.approx(2.2)) == (step < 4)
     # once drafts have been verified, a policy at k = 0 waits for its probes, however long ago that was
     settled = _seeded(AdaptivePolicy(1, probe_interval=10**6), lambda k, b: 1.0 + k)
     settled.record_verifies([(1, 0)] * 4)
