@@ -35,7 +35,9 @@ most, and the policy speculated where k = 0 was faster.
 
 Exploration: a policy at k = 0 that has seen no verify yet (a fresh engine:
 its acceptance is only the prior's) probes the deepest k at once, untimed (those
-are the engine's first steps, at up to twice their later cost); and every
+are the engine's first steps, at up to twice their later cost; one step longer
+where a prompt's first drafts wait, below, so that two steps verify real
+drafts); and every
 `probe_interval` steps (jittered, from `seed`, so runs repeat) the policy runs
 another k, in turn, so that every depth keeps being measured: when the draft
 turns bad the policy falls to k = 0, and the probes bring speculation back
