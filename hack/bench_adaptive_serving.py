@@ -9,6 +9,12 @@ server's mean chosen k per level comes from its mtp_spec_decode_num_speculative_
 (_sum / _count scraped around the level). Writes results.json, results.md and speedup.png to OUT.
 
     python hack/bench_adaptive_serving.py MODEL_DIR OUT [--concurrency 1,2,4,8,16,32] [--repeats 3]
+        [--output-spread N]
+
+With --output-spread N each request asks for --output-len + a seeded offset in [-N, N] tokens (the same
+on every server): with equal lengths, requests that start together at k = 0 also finish together and
+their successors prefill as one batch, cheaper per token than the one-at-a-time prefills of a
+speculating server, whose requests finish apart (runtime README, adaptive depth).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-spread", type=int, default=0,
+                   help="output lengths drawn in --output-len +- N (seeded, the same on every server)")
     p.add_argument("--requests-per-level", type=int, default=0, help="0: max(8, --requests-per-client x concurrency)")
     p.add_argument("--requests-per-client", type=int, default=4,
                    help="each client's requests at a level (with --requests-per-level 0)")
@@ -63,6 +71,8 @@ def main() -> None:
     args = parse_args()
     if args.requests_per_client < 1 or args.requests_per_level < 0:
         raise SystemExit("--requests-per-client must be >= 1 and --requests-per-level >= 0")
+    if not 0 <= args.output_spread < args.output_len:
+        raise SystemExit(f"--output-spread {args.output_spread} must lie in [0, --output-len {args.output_len})")
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = load_tokenizer(args.model_dir)
@@ -81,7 +91,7 @@ def main() -> None:
             for c in levels:
                 plan = BenchPlan(concurrency=[c], input_len=args.input_len, output_len=args.output_len,
                                  requests_per_level=args.requests_per_level, rounds=args.rounds,
-                                 requests_per_client=args.requests_per_client,
+                                 requests_per_client=args.requests_per_client, output_spread=args.output_spread,
                                  seed=repeat * 1000 + c, warmup_requests=2 if repeat == 0 and c == levels[0] else 1)
                 before = histogram_totals(httpx.get(f"{adaptive_url}/metrics").text,
                                           "mtp_spec_decode_num_speculative_tokens")

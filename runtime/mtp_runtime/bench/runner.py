@@ -53,22 +53,27 @@ async def find_model_name(client: httpx.AsyncClient, base_url: str, headers: dic
     return response.json()["data"][0]["id"]
 
 
-async def run_level(base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                    api_key: str | None = None, temperature: float = 0.0, timeout_s: float = 600.0,
+async def run_level(base_url: str, model: str, prompts: list[list[int]], output_len: int | list[int],
+                    concurrency: int, api_key: str | None = None, temperature: float = 0.0, timeout_s: float = 600.0,
                     seed_offset: int = 0) -> LevelRun:
+    """The prompts through `concurrency` clients; output_len: every request's, or one per prompt."""
+    lengths = [output_len] * len(prompts) if isinstance(output_len, int) else list(output_len)
+    if len(lengths) != len(prompts):
+        raise ValueError(f"run_level: {len(lengths)} output lengths for {len(prompts)} prompts")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         before = await scrape_spec_counters(client, base_url)
-        queue = list(enumerate(prompts, start=seed_offset))
+        queue = [(index, prompt, length) for index, (prompt, length)
+                 in enumerate(zip(prompts, lengths), start=seed_offset)]
         results: list[RequestResult] = []
 
         async def worker() -> None:
             while queue:
-                index, prompt = queue.pop()
+                index, prompt, length = queue.pop()
                 seed = index if temperature > 0 else None  # the same draws on every server
                 results.append(await stream_completion(
-                    client, base_url, completion_payload(model, prompt, output_len, temperature, seed), headers))
+                    client, base_url, completion_payload(model, prompt, length, temperature, seed), headers))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from dataclasses import dataclass
 
 from .client import completion_payload, stream_completion
@@ -30,6 +31,25 @@ class BenchPlan:
     # start (every client's first request at once) and its end (the last ones draining from a batch
     # nothing refills); with many, the steady state a long-running server sees dominates.
     requests_per_client: int = 4
+    # Each request's output length is output_len + an offset drawn in [-output_spread, output_spread]
+    # (seeded: request i asks every server for the same length). With every length equal, requests that
+    # start together finish together on a server that gains one token a step, and their successors'
+    # prompts prefill as one batch, cheaper per token than one at a time; a speculating server's
+    # requests finish apart. Real traffic's lengths differ; a spread keeps the equal-length pattern out
+    # of a comparison of speculative settings.
+    output_spread: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.output_spread < self.output_len:
+            raise ValueError(f"output spread {self.output_spread} must lie in [0, output length {self.output_len}): "
+                             f"every request must ask for at least one token")
+
+    def output_lengths(self, n: int) -> list[int]:
+        """The output length of each of n requests, in order (seeded by `seed`)."""
+        if not self.output_spread:
+            return [self.output_len] * n
+        draw = random.Random(f"output-lengths-{self.seed}")
+        return [self.output_len + draw.randint(-self.output_spread, self.output_spread) for _ in range(n)]
 
     def chunks(self, prompts: list[list[int]], concurrency: int) -> list[list[list[int]]]:
         """A level's prompts in `rounds` turns, each still able to keep `concurrency` requests busy."""
@@ -65,6 +85,7 @@ async def bench_servers(urls: dict[str, str], tokenizer, plan: BenchPlan,
         models = {label: await find_model_name(client, url, headers) for label, url in urls.items()}
     total = sum(plan.requests_for(c) for c in plan.concurrency)
     prompts = build_prompts(tokenizer, total + 1, plan.input_len, plan.seed)
+    lengths = plan.output_lengths(total)
     for label, url in urls.items():
         await _warm_up(url, models[label], prompts[-1], plan, api_key)
     runs: dict[str, list[LevelResult]] = {label: [] for label in urls}
@@ -75,8 +96,8 @@ async def bench_servers(urls: dict[str, str], tokenizer, plan: BenchPlan,
         for chunk in plan.chunks(prompts[offset:offset + n], concurrency):
             order = list(urls) if turn % 2 == 0 else list(reversed(urls))
             for label in order:
-                run = await run_level(urls[label], models[label], chunk, plan.output_len, concurrency, api_key,
-                                      plan.temperature, seed_offset=offset)
+                run = await run_level(urls[label], models[label], chunk, lengths[offset:offset + len(chunk)],
+                                      concurrency, api_key, plan.temperature, seed_offset=offset)
                 measured[label] = measured[label].plus(run) if label in measured else run
             offset, turn = offset + len(chunk), turn + 1
         for label in urls:

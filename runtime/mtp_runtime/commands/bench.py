@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16], help="levels, e.g. 1,2,4,8,16")
     parser.add_argument("--input-len", type=_positive, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=_positive, default=128, help="generated tokens per request")
+    parser.add_argument("--output-spread", type=int, default=0,
+                        help="each request generates --output-len + a seeded offset in [-N, N] tokens, the same "
+                             "on every server (default 0: all equal; equal lengths keep requests that start "
+                             "together finishing together at k = 0, which real traffic does not)")
     parser.add_argument("--requests-per-level", type=int, default=0,
                         help="requests at each level (default: max(8, --requests-per-client x concurrency))")
     parser.add_argument("--requests-per-client", type=_positive, default=4,
@@ -84,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     if args.requests_per_level < 0:
         print("mtp bench: --requests-per-level must be >= 0", file=sys.stderr)
         return 2
+    if not 0 <= args.output_spread < args.output_len:
+        print(f"mtp bench: --output-spread {args.output_spread} must lie in [0, --output-len {args.output_len})",
+              file=sys.stderr)
+        return 2
     if not 0 <= args.temperature <= 2:
         print("mtp bench: --temperature must be in [0, 2]", file=sys.stderr)
         return 2
@@ -98,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     plan = BenchPlan(concurrency=args.concurrency, input_len=args.input_len, output_len=args.output_len,
                      requests_per_level=args.requests_per_level, seed=args.seed, temperature=args.temperature,
-                     rounds=args.rounds, requests_per_client=args.requests_per_client)
-    config = {"input_len": plan.input_len, "output_len": plan.output_len, "concurrency": plan.concurrency,
+                     rounds=args.rounds, requests_per_client=args.requests_per_client,
+                     output_spread=args.output_spread)
+    config = {"input_len": plan.input_len, "output_len": plan.output_len, "output_spread": plan.output_spread,
+              "concurrency": plan.concurrency,
               "temperature": plan.temperature, "rounds": plan.rounds,
               "requests_per_level": [plan.requests_for(c) for c in plan.concurrency]}
     try:

@@ -57,6 +57,12 @@ def test_url_mode_needs_a_tokenizer(tmp_path):
     assert done.returncode == 2 and "--tokenizer" in done.stderr
 
 
+def test_output_spread_must_leave_every_request_a_token(tmp_path):
+    done = mtp("bench", "--url", "http://127.0.0.1:9", "--tokenizer", str(tmp_path), "--output-len", "12",
+               "--output-spread", "12", "--out", str(tmp_path))
+    assert done.returncode == 2 and "--output-spread 12 must lie in [0, --output-len 12)" in done.stderr
+
+
 def test_requests_per_client_must_be_positive(tmp_path):
     done = mtp("bench", "--url", "http://127.0.0.1:9", "--tokenizer", str(tmp_path), "--requests-per-client", "0",
                "--out", str(tmp_path))

@@ -39,6 +39,23 @@ def test_runs_add_up_and_levels_split_into_turns():
                      requests_per_client=16).requests_for(32) == 5  # a level's count wins
 
 
+def test_output_lengths_are_seeded_and_spread_within_bounds():
+    import pytest
+
+    plan = BenchPlan(concurrency=[4], input_len=8, output_len=64, requests_per_level=0, output_spread=16, seed=7)
+    lengths = plan.output_lengths(200)
+    assert all(48 <= n <= 80 for n in lengths) and min(lengths) < 52 and max(lengths) > 76
+    assert lengths == plan.output_lengths(200)  # every server of a comparison gets the same lengths, in order
+    assert plan.output_lengths(5) == lengths[:5]
+    other = BenchPlan(concurrency=[4], input_len=8, output_len=64, requests_per_level=0, output_spread=16, seed=8)
+    assert other.output_lengths(200) != lengths
+    equal = BenchPlan(concurrency=[4], input_len=8, output_len=64, requests_per_level=0)
+    assert equal.output_lengths(3) == [64, 64, 64]
+    for bad in (-1, 64, 65):  # every request must ask for at least one token
+        with pytest.raises(ValueError, match=f"output spread {bad} must lie in"):
+            BenchPlan(concurrency=[4], input_len=8, output_len=64, requests_per_level=0, output_spread=bad)
+
+
 def test_comparison_outputs(tmp_path):
     runs = {"baseline": [level(1, 11, 2.0), level(4, 11, 4.0)], "mtp": [level(1, 11, 1.0), level(4, 11, 3.0)]}
     assert throughput_ratios(runs) == {1: 2.0, 4: 4 / 3}

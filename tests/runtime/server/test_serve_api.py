@@ -239,6 +239,13 @@ def test_bench_client_against_this_server(mtp_server, tiny_models):
     [level] = asyncio.run(bench_servers({"server": mtp_server.base_url}, tokenizer, plan, API_KEY))["server"]
     assert level.failed == 0 and level.output_tokens == 40 and level.prompt_tokens == 48
     assert 0 < level.acceptance_rate <= 1 and level.mean_tpot_ms > 0
+    # with an output spread every request asks for its own seeded length, and gets it
+    spread = BenchPlan(concurrency=[2], input_len=12, output_len=10, requests_per_level=4, warmup_requests=0,
+                       output_spread=6, seed=3)
+    lengths = spread.output_lengths(4)
+    assert len(set(lengths)) > 1 and sum(lengths) != 40
+    [level] = asyncio.run(bench_servers({"server": mtp_server.base_url}, tokenizer, spread, API_KEY))["server"]
+    assert level.failed == 0 and level.output_tokens == sum(lengths)
 
 
 def error(resp: httpx.Response, status: int) -> dict:
