@@ -207,17 +207,6 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def _interpolate(points: list[tuple[int, float]], x: int) -> float:
-    """The piecewise-linear function through `points` (sorted by x) at x; beyond the last point along the
-    last two, before the first along the first two (one point: constant)."""
-    if len(points) == 1:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1:
-            break
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
 class FixedPolicy:
     """Every step verifies k drafts (the engine without --speculative_adaptive)."""
 
@@ -308,11 +297,6 @@ class AdaptivePolicy:
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
     _overhead: dict[int, float] = field(init=False, default_factory=dict)  # per bucket: host seconds a step
     _rows: dict[int, int] = field(init=False, default_factory=dict)  # per bucket: the last timed step's batch size
-    # the start-up's dummy steps: per bucket the batch size they ran (a bucket's estimates are costs at it),
-    # per depth (batch size, median seconds) at every size, and the row factors cached from them
-    _reference: dict[int, int] = field(init=False, default_factory=dict)
-    _shape: dict[int, list[tuple[int, float]]] = field(init=False, default_factory=dict)
-    _factors: dict[tuple[int, int], float | None] = field(init=False, default_factory=dict)
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
     _probe_k: int = field(init=False, default=0)
@@ -431,19 +415,13 @@ class AdaptivePolicy:
         if any(earlier != k for earlier in self._recent_k):
             return
         bucket = batch_bucket(batch_size)
-        factor = self.row_factor(k, batch_size)
-        if factor is not None:
-            # A bucket's estimate is its cost at the bucket's start-up size: a step of other rows is scaled
-            # to it by the start-up's steps (an open batch of 32 with prompts arriving decodes 26-32 rows,
-            # and its probes, timed at the depth in use's rows only, were seldom timed at all)
-            seconds /= factor
-        elif k == self._current:
+        if k == self._current:
             self._rows[bucket] = batch_size
         elif batch_size != self._rows.get(bucket, batch_size):
-            # Without the start-up's steps to scale by, a probe tells how its depth compares with the one
-            # in use only at the batch size the depth in use last ran in this bucket: at an open batch of
-            # 4, a probe timed at 3 rows (one row prefilling) looked a quarter cheaper, and the policy
-            # speculated where k = 0 was best.
+            # A probe tells how its depth compares with the one in use, so it counts only at the batch
+            # size the depth in use last ran in this bucket: at an open batch of 4, a probe timed at 3
+            # rows (one row prefilling) looked a quarter cheaper, and the policy speculated where k = 0
+            # was best.
             return
         key = (k, bucket)
         load = self._load.setdefault(bucket, 1.0)
@@ -498,40 +476,13 @@ class AdaptivePolicy:
 
     def seed_step_cost(self, k: int, batch_size: int, seconds: list[float]) -> None:
         """The start-up's timings of dummy steps at depth k and this batch size: their median is the
-        cost (their mean let one slow step, of five, make k = 0 at batch 4 look 1.7 times its cost).
-        The batch size becomes its bucket's reference size, and the medians at every size of a depth its
-        cost's shape over batch sizes (`row_factor`)."""
+        cost (their mean let one slow step, of five, make k = 0 at batch 4 look 1.7 times its cost)."""
         if not 0 <= k <= self.max_k or batch_size < 1 or not seconds or min(seconds) <= 0:
             raise ValueError(f"AdaptivePolicy.seed_step_cost: k={k} (0..{self.max_k}), batch size {batch_size} "
                              f"and {len(seconds)} timings, all > 0, are needed")
         bucket = batch_bucket(batch_size)
-        median = statistics.median(seconds)
-        self._costs[(k, bucket)] = _Cost(median / self._load.setdefault(bucket, 1.0), len(seconds))
-        self._reference[bucket] = batch_size
-        shape = [point for point in self._shape.get(k, []) if point[0] != batch_size] + [(batch_size, median)]
-        self._shape[k] = sorted(shape)
-        self._factors.clear()
-
-    def row_factor(self, k: int, batch_size: int) -> float | None:
-        """A step of depth k at this batch size over one at its bucket's reference size (the size the
-        start-up timed), from the start-up's medians, interpolated linearly between the sizes it timed
-        (beyond the largest, along the last two); None where the start-up timed neither."""
-        key = (k, batch_size)
-        factor = self._factors.get(key, False)
-        if factor is not False:
-            return factor
-        reference = self._reference.get(batch_bucket(batch_size))
-        shape = self._shape.get(k)
-        if reference is None or not shape or not any(size == reference for size, _ in shape):
-            factor = None
-        elif batch_size == reference:
-            factor = 1.0
-        else:
-            factor = _interpolate(shape, batch_size) / _interpolate(shape, reference)
-            if not factor > 0:
-                factor = None
-        self._factors[key] = factor
-        return factor
+        self._costs[(k, bucket)] = _Cost(statistics.median(seconds) / self._load.setdefault(bucket, 1.0),
+                                         len(seconds))
 
     def record_draft_pass(self, positions: int, seconds: float) -> None:
         """The draft's pass over `positions` positions it had not seen, outside the decode steps: a
@@ -613,20 +564,17 @@ class AdaptivePolicy:
 
     def cost(self, k: int, batch_size: int) -> float | None:
         """Estimated seconds of a step at depth k for this batch size, the host's time around the model
-        included: its bucket's estimate (scaled from the bucket's reference size, `row_factor`), else
-        the nearest measured bucket's; None when depth k was never measured."""
+        included: its bucket's estimate, else the nearest measured bucket's; None when depth k was
+        never measured."""
         bucket = batch_bucket(batch_size)
         cost = self._costs.get((k, bucket))
-        factor = 1.0
         if cost is None:
             known = [(abs(b.bit_length() - bucket.bit_length()), b) for kk, b in self._costs if kk == k]
             if not known:
                 return None
             bucket = min(known)[1]
             cost = self._costs[(k, bucket)]
-        else:
-            factor = self.row_factor(k, batch_size) or 1.0
-        return cost.seconds * factor * self._load.get(bucket, 1.0) + self.overhead(k, batch_size)
+        return cost.seconds * self._load.get(bucket, 1.0) + self.overhead(k, batch_size)
 
     def step_costs(self, batch_size: int) -> list[float | None]:
         """cost(k, batch_size) for k = 0..max_k, each at least that of every smaller k: a step at k does
@@ -714,8 +662,7 @@ class AdaptivePolicy:
         left = np.array([max(0, r) for r, *_ in draining], dtype=float)
         n = len(left)
         buckets = [batch_bucket(b) for b in range(1, n + 1)]
-        # each bucket's costs looked up once, at its reference size
-        table = {b: self.step_costs(self._reference.get(b, b)) for b in set(buckets)}
+        table = {b: self.step_costs(b) for b in set(buckets)}  # each bucket's costs looked up once
         measured = [k for k in range(self.max_k + 1) if all(table[b][k] is not None for b in buckets)]
         out: list[float | None] = [None] * (self.max_k + 1)
         if not measured:

@@ -273,28 +273,6 @@ def test_a_probe_counts_only_at_the_batch_size_the_depth_in_use_last_ran_in_its_
     assert policy._rows[4] == 3  # ... and sets the size its probes are compared at
 
 
-def test_with_the_start_up_s_steps_a_step_of_other_rows_is_scaled_to_its_bucket_s_reference_size():
-    """An open batch of 32 with prompts arriving decodes 26-32 rows: its probes count at any of them,
-    scaled by the start-up's costs between the sizes it timed (here 16 and 32)."""
-    policy = AdaptivePolicy(1, probe_interval=1, probe_budget=1e9)
-    for k in (0, 1):
-        for b in (1, 2, 4, 8, 16, 32):
-            policy.seed_step_cost(k, b, [(1.0 + k) * (0.2 + b / 32)] * 5)  # a fixed part and a part per row
-    assert policy.row_factor(1, 32) == 1.0 and policy.row_factor(0, 16) == 1.0
-    assert policy.row_factor(1, 24) == pytest.approx((0.2 + 24 / 32) / 1.2)  # between the 16- and 32-row steps
-    assert policy.cost(1, 24) == pytest.approx(2.0 * (0.2 + 24 / 32))
-    assert policy.cost(1, 24) / policy.cost(1, 32) == pytest.approx(0.95 / 1.2)
-    policy.record_verifies([(1, 0)] * 32)  # (not a fresh policy, which would probe at once)
-    assert [policy.choose(32) for _ in range(3)] == [1, 1, 1]  # a probe; its third step is timed ...
-    policy.record_step(1, 24, 1.5 * 1.9)  # ... at 24 rows, 1.5 times the start-up's cost there
-    assert policy.cost(1, 32) == pytest.approx(2.4 + 0.3 * (3.6 - 2.4))  # moved towards 1.5 x 2.4 at 32 rows
-    # a bucket the start-up did not time at its reference size has no factor: a probe then counts only at
-    # the rows the depth in use last ran
-    bare = AdaptivePolicy(1)
-    bare.record_step(0, 4, 1.0)
-    assert bare.row_factor(0, 3) is None and bare.cost(0, 3) == bare.cost(0, 4) == 1.0
-
-
 def test_a_probe_s_step_counts_once_the_two_steps_before_ran_its_depth():
     # p = 0.5: k = 1 gives 1.5 tokens for 2.0 and k = 0 one for 1.0; a probe every 2 steps
     policy = _seeded(AdaptivePolicy(1, probe_interval=2, probe_budget=1e9), lambda k, b: 1.0 + k)
