@@ -7,9 +7,9 @@ Adaptive (`--speculative_adaptive=true`, K = `--num_speculative_tokens`): a
 step at depth k yields, per sequence, E[k] = 1 + sum_{j=1..k} p_1 p_2 ... p_j
 tokens, where p_j is the chance that draft j is accepted given drafts
 1..j-1 were. The policy estimates every p_j from decayed counts (each step
-multiplies the old counts by `decay`, so recent steps weigh more; a p_j
-with little evidence leans on p_{j-1}'s estimate, since depths past the one
-in use are only measured by probes) and the
+that verifies drafts multiplies the old counts by `decay`, so recent steps
+weigh more; a p_j with little evidence leans on p_{j-1}'s estimate, since
+depths past the one in use are only measured by probes) and the
 step's cost c(k, b) per batch-size bucket b from the measured step times
 (seeded by the engine's warm-up), and picks the k in 0..K with the most
 tokens per second, E[k] / c(k, b). A machine whose speed changes (other work
@@ -156,11 +156,27 @@ and is timed as a decode step of its rows. With decode-only steps alone, a
 server at concurrency 32 (32 requests of 64 tokens, at about 2 tokens a
 step, admit about one request a step) timed few steps, its probes hardly
 any, and its costs stayed near the start-up's, from dummy steps at 48 cached
-tokens. A probe compares its depth with the one in use, so its step counts
-only at the batch size the depth in use last ran in that bucket (3 and 4
-share one: at an open batch of 4, a probe's step with one row prefilling,
-3 rows decoding, looked a quarter cheaper than the depth in use's 4-row steps,
-and the policy ran k = 2 where k = 0 was about 10% faster).
+tokens. A probe tells how its depth compares with the one in use: its
+step is set against the depth in use's recent steps of the same batch size
+(a smoothed time per batch size, kept from the depth in use's timed steps
+and dropped when the depth in use changes), and their ratio, times the
+depth in use's cost, is the probed depth's. Set against the bucket's cost
+instead, a probe's step with one row prefilling and 3 decoding looked a
+quarter cheaper than the 4-row steps of an open batch of 4, and the policy
+ran k = 2 where k = 0 was about 10% faster; counted only at the batch size
+the depth in use last ran, probes at concurrency 32 (26-32 rows decoding,
+another size nearly every step) seldom counted, and the depths not in use
+kept the start-up's costs times a load factor that k = 0's steps had set
+(k = 1 and 2 estimated at 15.2 and 23.1 ms a step where they ran 11.1 and
+15.6; k = 0 at 6.6 against 6.3).
+
+The acceptance's counts decay only on steps that verify drafts. While the
+policy holds k = 0, nothing is learnt of the drafts until the next probe,
+and the last probe's verifies are the best estimate there is; decayed every
+step, they fell to the prior (p = 0.5) within a few dozen steps, where the
+draft agreed 80-95% of the time, and at concurrency 32 the policy held
+k = 0 (mean k 0.12, 0.85x the best fixed k) between probes 200-400 steps
+apart.
 
 The choice itself is cheap but not free (the scores: 4 us at batch 1, 7 at
 batch 16, where a graph-mode step at batch 1 is 0.8 ms), and from one step to
@@ -296,7 +312,9 @@ class AdaptivePolicy:
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # at unit load
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
     _overhead: dict[int, float] = field(init=False, default_factory=dict)  # per bucket: host seconds a step
-    _rows: dict[int, int] = field(init=False, default_factory=dict)  # per bucket: the last timed step's batch size
+    # (bucket, batch size) -> the depth in use's recent step time there, what a probe is compared with
+    _reference: dict[tuple[int, int], float] = field(init=False, default_factory=dict)
+    _evidence: bool = field(init=False, default=False)  # this step verified a real draft (end_step decays)
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
     _probe_k: int = field(init=False, default=0)
@@ -392,8 +410,8 @@ class AdaptivePolicy:
             hit_to[accepted] += 1
         tried = hit = 0
         scale, long_scale = self._scale, self._long_scale
-        if not self._verified and any(tried_to[1:]):
-            self._verified = True
+        if any(tried_to[1:]):
+            self._verified = self._evidence = True
         for j in range(K, 0, -1):  # draft j was tried by every sequence that reached j or more
             tried += tried_to[j]
             hit += hit_to[j]
@@ -415,39 +433,46 @@ class AdaptivePolicy:
         if any(earlier != k for earlier in self._recent_k):
             return
         bucket = batch_bucket(batch_size)
-        if k == self._current:
-            self._rows[bucket] = batch_size
-        elif batch_size != self._rows.get(bucket, batch_size):
-            # A probe tells how its depth compares with the one in use, so it counts only at the batch
-            # size the depth in use last ran in this bucket: at an open batch of 4, a probe timed at 3
-            # rows (one row prefilling) looked a quarter cheaper, and the policy speculated where k = 0
-            # was best.
-            return
         key = (k, bucket)
         load = self._load.setdefault(bucket, 1.0)
         cost = self._costs.get(key)
         if cost is None:
             self._costs[key] = _Cost(seconds / load)
+            if k == self._current:
+                self._reference[(bucket, batch_size)] = seconds
+            return
+        if k != self._current:
+            self._record_probe(k, bucket, batch_size, seconds, cost)
             return
         cost.samples += 1
         # A step that ran far from its estimate (a pause of the process, another job's burst on its
         # core) moves it as one 1.5 times off would: one such step made a depth look 50% dearer.
         expected = cost.seconds * load
         seconds = min(max(seconds, expected / self.outlier_ratio), expected * self.outlier_ratio)
-        if k != self._current:
-            # A probe (or a warm-up step at another depth): the load is the depth in use's to follow, step
-            # after step; what a probe tells is how this depth compares with it, so it moves this depth's
-            # own cost, and fast: probes are rare, and the depths not in use are otherwise known only from
-            # the start-up's dummy steps, which can be off by more than the margin between two depths.
-            cost.seconds += max(self.probe_cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
-            scores = self.scores(batch_size)  # (its verifies, if any, are in: the engine records them first)
-            if scores[self._current] and (scores[k] or 0.0) >= (1.0 - self.probe_close) * scores[self._current]:
-                self._probe_close_call = True
-            return
+        # what a probe at this batch size is compared with (`_record_probe`)
+        rows = (bucket, batch_size)
+        reference = self._reference.get(rows)
+        self._reference[rows] = seconds if reference is None else reference + self.load_smoothing * (
+            seconds - reference)
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
         # then the k's own cost at unit load: the mean of its first samples, then a slow EMA
         cost.seconds += max(self.cost_smoothing, 1.0 / cost.samples) * (seconds / load - cost.seconds)
+
+    def _record_probe(self, k: int, bucket: int, batch_size: int, seconds: float, cost: _Cost) -> None:
+        """A timed step at a depth not in use (a probe): how it compares with the depth in use's recent
+        steps of the same batch size sets this depth's own cost, fast (module docstring)."""
+        reference = self._reference.get((bucket, batch_size))
+        base = self._costs.get((self._current, bucket))
+        if reference is None or base is None:  # the depth in use has not run this batch size lately
+            return
+        cost.samples += 1
+        unit = seconds / reference * base.seconds  # this depth's cost at unit load
+        unit = min(max(unit, cost.seconds / self.outlier_ratio), cost.seconds * self.outlier_ratio)
+        cost.seconds += max(self.probe_cost_smoothing, 1.0 / cost.samples) * (unit - cost.seconds)
+        scores = self.scores(batch_size)  # (its verifies, if any, are in: the engine records them first)
+        if scores[self._current] and (scores[k] or 0.0) >= (1.0 - self.probe_close) * scores[self._current]:
+            self._probe_close_call = True
 
     def record_overhead(self, k: int, batch_size: int, seconds: float) -> None:
         """A decode step's host time outside the model (a step at depth k): from its start to the next
@@ -512,7 +537,12 @@ class AdaptivePolicy:
         return position, ratio
 
     def end_step(self) -> None:
-        """Once per engine step, after its evidence: older counts weigh less."""
+        """Once per engine step, after its evidence: older counts weigh less, if this step verified
+        drafts. A step at k = 0 tells nothing of the drafts, and while the policy holds k = 0 the last
+        probe's verifies are what it knows (module docstring)."""
+        if not self._evidence:
+            return
+        self._evidence = False
         self._scale /= self.decay
         self._long_scale /= self.long_decay
         if self._scale > 1e100 or self._long_scale > 1e100:  # fold the scales into the counts
@@ -765,6 +795,7 @@ class AdaptivePolicy:
             current = scores[self._current]
             if best != self._current and scores[best] > current * (1 + self.switch_margin):
                 self._current = best
+                self._reference.clear()  # (the last depth's)
                 self._probe_scale = 1
         self._since_probe += 1
         self._until_probe -= 1
@@ -778,8 +809,8 @@ class AdaptivePolicy:
             if lower and (turn % 2 == 0 or not higher):
                 if turn % 2 == 0:
                     target = lower[(turn // 2) % len(lower)]
-            elif higher:
-                target = higher[turn % len(higher)]
+            elif higher:  # (every turn at k = 0, else every second one)
+                target = higher[(turn // 2 if lower else turn) % len(higher)]
             wait = 0 if target is None else self._probe_wait(target, batch_size)
             if wait:  # a dear probe waits until the steps since the last one pay for it (probe_budget)
                 self._until_probe = wait

@@ -73,6 +73,24 @@ def test_recent_steps_weigh_more():
     assert policy.acceptance()[0] < 0.4
 
 
+def test_steps_without_drafts_leave_what_the_last_verifies_said():
+    """A server at concurrency 32 held k = 0 between probes 200-400 steps apart, and its acceptance, decayed
+    every step, fell to the prior's 0.5 where the draft agreed 80% of the time: speculation looked poor
+    until the next probe, and the probe's evidence was gone soon after it. The counts decay on the
+    steps that verify drafts: at k = 0 the last probe's verifies are what the policy knows."""
+    policy = AdaptivePolicy(3, prior_weight=0.1)
+    for _ in range(3):  # a probe's verifies at batch 8
+        policy.record_verifies([(3, 3), (3, 2), (3, 3), (3, 1), (3, 3), (3, 3), (3, 2), (3, 3)])
+        policy.end_step()
+    known = policy.acceptance()
+    assert known[0] > 0.95
+    for _ in range(1000):  # k = 0
+        policy.record_verifies([(0, 0)] * 8)
+        policy.end_step()
+    assert policy.acceptance() == pytest.approx(known)
+    assert policy.long_run_acceptance()[0] > 0.95
+
+
 def test_a_step_s_verifies_counted_together_weigh_as_the_decayed_counts_of_each_one():
     """The policy keeps its counts scaled (one division per step instead of decaying every count) and
     takes a step's verifies at once; its estimates equal counts decayed one by one, here written out."""
@@ -100,10 +118,11 @@ def test_a_step_s_verifies_counted_together_weigh_as_the_decayed_counts_of_each_
                     want.append(prior)
                 assert got == pytest.approx(want, rel=1e-9)
         policy.end_step()
-        tries[:] = [c * decay for c in tries]
-        hits[:] = [c * decay for c in hits]
-        long_tries[:] = [c * long_decay for c in long_tries]
-        long_hits[:] = [c * long_decay for c in long_hits]
+        if any(real for real, _ in verifies):  # a step that verified no real draft leaves the counts as they are
+            tries[:] = [c * decay for c in tries]
+            hits[:] = [c * decay for c in hits]
+            long_tries[:] = [c * long_decay for c in long_tries]
+            long_hits[:] = [c * long_decay for c in long_hits]
     assert policy._scale < 1e100  # folded: 0.8 ** -3000 is past what a float holds
 
 
@@ -230,6 +249,13 @@ def test_probes_take_three_steps_and_alternate_higher_and_lower_k():
     assert all(n == 3 for k, n in runs if k != 1)  # the first two steps of a probe run cold (not timed)
     assert abs(sum(k == 2 for k, _ in runs) - sum(k == 0 for k, _ in runs)) <= 1  # higher and lower in turn
     assert policy.cost(0, 32) == 1.0  # the nearest measured bucket stands in for an unmeasured one
+    # in use between two higher depths and one lower, each is probed in its turn (the higher ones took the odd
+    # turns, and at k = 1 of K = 3 those all went to k = 3: k = 2 was never probed)
+    policy = _seeded(AdaptivePolicy(3, prior_weight=1e-9, probe_interval=8, seed=1, probe_budget=1e9), cost)
+    for _ in range(20):
+        policy.record_verify(3, 1)  # p = [1, 0, ...]: k = 1 is best
+    chosen = [policy.choose(1) for _ in range(200)]
+    assert chosen[0] == 1 and {1, 0, 2, 3} == set(chosen)
 
 
 def test_the_first_two_steps_after_one_at_another_depth_are_not_timed():
@@ -256,21 +282,38 @@ def test_the_first_two_steps_after_one_at_another_depth_are_not_timed():
     assert policy.cost(1, 4) == pytest.approx(1.7, rel=0.02)
 
 
-def test_a_probe_counts_only_at_the_batch_size_the_depth_in_use_last_ran_in_its_bucket():
+def test_a_probe_is_compared_with_the_depth_in_use_s_recent_steps_of_its_batch_size():
     """Batch sizes 3 and 4 share a bucket; at an open batch of 4 a step with one row prefilling decodes 3
-    (its one-call part is timed apart), and a probe timed there looked a quarter cheaper."""
-    policy = _seeded(AdaptivePolicy(1, probe_interval=1, probe_budget=1e9), lambda k, b: 1.0 + k)  # k = 0, 4 rows
+    (its one-call part is timed apart). A probe timed at 3 rows, set against the depth in use's 4-row
+    steps, looked a quarter cheaper; counted only at the depth in use's last batch size, a server at
+    concurrency 32 (26-32 rows decoding, another size nearly every step) seldom counted one. A probe
+    is set against the depth in use's recent steps of its own batch size, and counts wherever the
+    depth in use ran lately."""
+    policy = _seeded(AdaptivePolicy(1, probe_interval=1, probe_budget=1e9, probe_cost_smoothing=1.0),
+                     lambda k, b: 1.0 + k)  # k = 0 in use, 4 rows; a probe sets its depth's cost
     policy.record_verifies([(1, 0)] * 4)  # (not a fresh policy, which would probe at once)
-    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]  # a probe; its third step is timed ...
-    policy.record_step(1, 3, 1.5)  # ... at 3 rows: not counted
-    assert policy.cost(1, 4) == 2.0
-    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]
-    policy.record_step(1, 4, 1.5)  # at 4 rows it is
-    assert policy.cost(1, 4) < 2.0
     policy._until_probe = 10**6
-    assert [policy.choose(4) for _ in range(3)] == [0, 0, 0]
-    policy.record_step(0, 3, 0.75)  # the depth in use counts at any size in the bucket ...
-    assert policy._rows[4] == 3  # ... and sets the size its probes are compared at
+    for _ in range(3):
+        assert policy.choose(4) == 0
+    policy.record_step(0, 3, 0.75)  # the depth in use, at 3 rows: three quarters of its 4-row step
+    policy._until_probe = 0
+    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]  # a probe; its third step is timed ...
+    policy.record_step(1, 3, 1.5)  # ... at 3 rows, twice the depth in use's there: as estimated
+    assert policy.cost(1, 4) / policy.cost(0, 4) == pytest.approx(2.0)
+    policy._until_probe = 0
+    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]
+    policy.record_step(1, 3, 1.2)  # 1.6 times: k = 1 is cheaper than estimated, at every size of the bucket
+    assert policy.cost(1, 4) / policy.cost(0, 4) == pytest.approx(1.6)
+    policy._until_probe = 0
+    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]
+    before = policy.cost(1, 4)
+    policy.record_step(1, 12, 0.5)  # 12 rows: the depth in use has not run them lately, not counted
+    assert policy.cost(1, 16) == pytest.approx(2.0) and policy.cost(1, 4) == before
+    policy._until_probe, policy._revise_wait = 10**6, 0
+    policy.record_verifies([(1, 1)] * 400)  # the draft agrees: k = 1 from the next choice
+    assert policy._reference
+    assert policy.choose(4) == 1 and policy._current == 1
+    assert policy._reference == {}  # the last depth's steps are no reference for probes of the new one's
 
 
 def test_a_probe_s_step_counts_once_the_two_steps_before_ran_its_depth():
