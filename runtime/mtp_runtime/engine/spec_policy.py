@@ -7,9 +7,10 @@ Adaptive (`--speculative_adaptive=true`, K = `--num_speculative_tokens`): a
 step at depth k yields, per sequence, E[k] = 1 + sum_{j=1..k} p_1 p_2 ... p_j
 tokens, where p_j is the chance that draft j is accepted given drafts
 1..j-1 were. The policy estimates every p_j from decayed counts (each step
-that verifies drafts multiplies the old counts by `decay`, so recent steps
-weigh more; a p_j with little evidence leans on p_{j-1}'s estimate, since
-depths past the one in use are only measured by probes) and the
+multiplies the old counts by `decay`, so recent steps weigh more; steps
+that verify no draft only down to `hold_weight`, below; a p_j with little
+evidence leans on p_{j-1}'s estimate, since depths past the one in use are
+only measured by probes) and the
 step's cost c(k, b) per batch-size bucket b from the measured step times
 (seeded by the engine's warm-up), and picks the k in 0..K with the most
 tokens per second, E[k] / c(k, b). A machine whose speed changes (other work
@@ -170,13 +171,28 @@ kept the start-up's costs times a load factor that k = 0's steps had set
 (k = 1 and 2 estimated at 15.2 and 23.1 ms a step where they ran 11.1 and
 15.6; k = 0 at 6.6 against 6.3).
 
-The acceptance's counts decay only on steps that verify drafts. While the
-policy holds k = 0, nothing is learnt of the drafts until the next probe,
-and the last probe's verifies are the best estimate there is; decayed every
-step, they fell to the prior (p = 0.5) within a few dozen steps, where the
-draft agreed 80-95% of the time, and at concurrency 32 the policy held
-k = 0 (mean k 0.12, 0.85x the best fixed k) between probes 200-400 steps
-apart.
+The start-up's costs are a guess for served steps: its dummy steps see 48
+cached tokens, and at concurrency 32 (contexts of 128-200 tokens) they put
+k = 2 and 3 at 1.59 and 2.19 times k = 1's step where served steps ran 1.36
+and 1.75 times. Probes of a dear depth come every few hundred steps there
+(probe_budget; from k = 1, a higher depth every second probe time), each
+moving its estimate by probe_cost_smoothing, and a server that came to
+concurrency 32 at k = 1 held it where k = 2 and 3 ran 3-5% faster. So a
+depth whose cost in a bucket is the start-up's alone is probed as soon as
+the depth in use has run the batch size at hand (up to `early_probes`
+times, for a probe whose timed step fell at another batch size), and its
+first timed step replaces the start-up's estimate: 3 steps per depth and
+bucket, once in a server's life.
+
+While the policy holds k = 0, nothing is learnt of the drafts until the
+next probe, and the last probe's verifies are the best estimate there is;
+decayed every step, they fell to the prior (p = 0.5) within a few dozen
+steps, where the draft agreed 80-95% of the time, and at concurrency 32 the
+policy held k = 0 (mean k 0.12, 0.85x the best fixed k) between probes
+200-400 steps apart. Steps that verify no draft age the counts only down
+to `hold_weight` (1) verifies of draft 1: the estimate stands, and the next
+probe's verifies outweigh it (kept whole, the counts of a draft gone bad,
+tens of verifies, would outweigh the few of the probes after it recovered).
 
 The choice itself is cheap but not free (the scores: 4 us at batch 1, 7 at
 batch 16, where a graph-mode step at batch 1 is 0.8 ms), and from one step to
@@ -256,6 +272,8 @@ class FixedPolicy:
 class _Cost:
     seconds: float
     samples: int = 1
+    live: int = 1  # steps served that timed it (0: the start-up's dummy steps alone)
+    early: int = 0  # probes started to time it live for the first time (`_choose`)
 
 
 @dataclass
@@ -279,6 +297,9 @@ class AdaptivePolicy:
     # share of the time since the last probe (module docstring)
     probe_budget: float = 0.02
     probe_steps: int = 3
+    # a depth whose cost in a bucket is the start-up's alone is probed at once, up to this many times (module
+    # docstring)
+    early_probes: int = 3
     cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
     # an open batch's choice is revised every this many steps, at once when its bucket changes or a
     # probe ends (module docstring)
@@ -287,6 +308,8 @@ class AdaptivePolicy:
     outlier_ratio: float = 1.5  # a step time moves its estimate as one at most this many times off it does
     prior_acceptance: float = 0.5  # p_1 before any evidence (p_j's: p_{j-1}'s estimate), weight prior_weight (verifies)
     prior_weight: float = 0.1
+    # steps that verify no draft (k = 0) age the counts down to this many verifies of draft 1, no further
+    hold_weight: float = 1.0
     # a sequence's own verifies that weigh as much as the policy's estimate in its acceptance (closed batches)
     sequence_prior_weight: float = 4.0
     long_decay: float = 0.995  # per step, for the long-run acceptance a closed batch's sequences start from
@@ -356,6 +379,8 @@ class AdaptivePolicy:
             raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing}, load_smoothing="
                              f"{self.load_smoothing} and probe_cost_smoothing={self.probe_cost_smoothing} "
                              f"must lie in (0, 1]")
+        if self.hold_weight < 0:
+            raise ValueError(f"AdaptivePolicy: hold_weight={self.hold_weight} must be >= 0")
         if self.sequence_prior_weight <= 0:
             raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} must be > 0")
         if min(self.probe_interval, self.drain_interval, self.probe_backoff, self.revise_interval) < 1:
@@ -445,6 +470,7 @@ class AdaptivePolicy:
             self._record_probe(k, bucket, batch_size, seconds, cost)
             return
         cost.samples += 1
+        cost.live += 1
         # A step that ran far from its estimate (a pause of the process, another job's burst on its
         # core) moves it as one 1.5 times off would: one such step made a depth look 50% dearer.
         expected = cost.seconds * load
@@ -469,7 +495,10 @@ class AdaptivePolicy:
         cost.samples += 1
         unit = seconds / reference * base.seconds  # this depth's cost at unit load
         unit = min(max(unit, cost.seconds / self.outlier_ratio), cost.seconds * self.outlier_ratio)
-        cost.seconds += max(self.probe_cost_smoothing, 1.0 / cost.samples) * (unit - cost.seconds)
+        # the first step served at this depth replaces the start-up's estimate (module docstring)
+        weight = max(self.probe_cost_smoothing, 1.0 / cost.samples) if cost.live else 1.0
+        cost.seconds += weight * (unit - cost.seconds)
+        cost.live += 1
         scores = self.scores(batch_size)  # (its verifies, if any, are in: the engine records them first)
         if scores[self._current] and (scores[k] or 0.0) >= (1.0 - self.probe_close) * scores[self._current]:
             self._probe_close_call = True
@@ -507,7 +536,7 @@ class AdaptivePolicy:
                              f"and {len(seconds)} timings, all > 0, are needed")
         bucket = batch_bucket(batch_size)
         self._costs[(k, bucket)] = _Cost(statistics.median(seconds) / self._load.setdefault(bucket, 1.0),
-                                         len(seconds))
+                                         len(seconds), live=0)
 
     def record_draft_pass(self, positions: int, seconds: float) -> None:
         """The draft's pass over `positions` positions it had not seen, outside the decode steps: a
@@ -537,14 +566,19 @@ class AdaptivePolicy:
         return position, ratio
 
     def end_step(self) -> None:
-        """Once per engine step, after its evidence: older counts weigh less, if this step verified
-        drafts. A step at k = 0 tells nothing of the drafts, and while the policy holds k = 0 the last
-        probe's verifies are what it knows (module docstring)."""
-        if not self._evidence:
-            return
-        self._evidence = False
-        self._scale /= self.decay
-        self._long_scale /= self.long_decay
+        """Once per engine step, after its evidence: older counts weigh less. A step that verified no draft
+        (k = 0) ages them only while draft 1's count stays at hold_weight verifies or more, so that the
+        last probe's acceptance stands until the next probe, whose verifies outweigh it (module
+        docstring)."""
+        if self._evidence:
+            self._evidence = False
+            self._scale /= self.decay
+            self._long_scale /= self.long_decay
+        else:
+            if self._tries[0] * self.decay >= self.hold_weight * self._scale:
+                self._scale /= self.decay
+            if self._long_tries[0] * self.long_decay >= self.hold_weight * self._long_scale:
+                self._long_scale /= self.long_decay
         if self._scale > 1e100 or self._long_scale > 1e100:  # fold the scales into the counts
             for counts, scale in ((self._tries, self._scale), (self._hits, self._scale),
                                   (self._long_tries, self._long_scale), (self._long_hits, self._long_scale)):
@@ -791,6 +825,9 @@ class AdaptivePolicy:
                 self._probe_left += int(self.first_drafts_deferred)
                 self._untimed = self._probe_left + 1
                 return k
+            early = self._early_probe(batch_size)
+            if early is not None:
+                return self._start_probe(early)
             best = max(range(len(scores)), key=lambda k: scores[k])
             current = scores[self._current]
             if best != self._current and scores[best] > current * (1 + self.switch_margin):
@@ -823,6 +860,21 @@ class AdaptivePolicy:
             if target is not None:
                 return self._start_probe(target)
         return self._current
+
+    def _early_probe(self, batch_size: int) -> int | None:
+        """A depth whose cost in this bucket is still the start-up's alone, to probe now (module docstring):
+        once the depth in use has run this batch size lately (a probe is set against those steps), and
+        at most `early_probes` times for each depth and bucket (a probe not timed, the batch size having
+        moved, is tried again)."""
+        bucket = batch_bucket(max(1, batch_size))
+        if (bucket, batch_size) not in self._reference:
+            return None
+        for k in range(self.max_k + 1):
+            cost = self._costs.get((k, bucket))
+            if k != self._current and cost is not None and not cost.live and cost.early < self.early_probes:
+                cost.early += 1
+                return k
+        return None
 
     def _probe_wait(self, k: int, batch_size: int) -> int:
         """Steps a probe of depth k must still wait for its steps' cost above the depth in use's to be
