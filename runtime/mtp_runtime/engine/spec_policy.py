@@ -161,7 +161,13 @@ tokens. A probe tells how its depth compares with the one in use: its
 step is set against the depth in use's recent steps of the same batch size
 (a smoothed time per batch size, kept from the depth in use's timed steps
 and dropped when the depth in use changes), and their ratio, times the
-depth in use's cost, is the probed depth's. Set against the bucket's cost
+depth in use's cost, is the probed depth's. It counts once the depth in
+use has timed `reference_steps` (4) steps of that size: its first steps
+after another depth's run cold past the two that are not timed (k = 0
+after k = 3: 1.26, 1.15, 1.09x from the third on), and an engine at batch
+16, just back at k = 0 from a batch of 4 at k = 2, timed k = 1 against
+them at 1.7 times k = 0's step where it ran 2.0 times, and speculated
+where k = 0 was 4% faster. Set against the bucket's cost
 instead, a probe's step with one row prefilling and 3 decoding looked a
 quarter cheaper than the 4-row steps of an open batch of 4, and the policy
 ran k = 2 where k = 0 was about 10% faster; counted only at the batch size
@@ -300,6 +306,9 @@ class AdaptivePolicy:
     # a depth whose cost in a bucket is the start-up's alone is probed at once, up to this many times (module
     # docstring)
     early_probes: int = 3
+    # a probe's step counts once the depth in use has timed this many steps of its batch size since it came
+    # into use (module docstring)
+    reference_steps: int = 4
     cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
     # an open batch's choice is revised every this many steps, at once when its bucket changes or a
     # probe ends (module docstring)
@@ -336,7 +345,8 @@ class AdaptivePolicy:
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
     _overhead: dict[int, float] = field(init=False, default_factory=dict)  # per bucket: host seconds a step
     # (bucket, batch size) -> the depth in use's recent step time there, what a probe is compared with
-    _reference: dict[tuple[int, int], float] = field(init=False, default_factory=dict)
+    # (its steps timed there since it came into use: a probe waits for reference_steps of them)
+    _reference: dict[tuple[int, int], list] = field(init=False, default_factory=dict)
     _evidence: bool = field(init=False, default=False)  # this step verified a real draft (end_step decays)
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
@@ -464,7 +474,7 @@ class AdaptivePolicy:
         if cost is None:
             self._costs[key] = _Cost(seconds / load)
             if k == self._current:
-                self._reference[(bucket, batch_size)] = seconds
+                self._reference[(bucket, batch_size)] = [seconds, 1]
             return
         if k != self._current:
             self._record_probe(k, bucket, batch_size, seconds, cost)
@@ -476,10 +486,9 @@ class AdaptivePolicy:
         expected = cost.seconds * load
         seconds = min(max(seconds, expected / self.outlier_ratio), expected * self.outlier_ratio)
         # what a probe at this batch size is compared with (`_record_probe`)
-        rows = (bucket, batch_size)
-        reference = self._reference.get(rows)
-        self._reference[rows] = seconds if reference is None else reference + self.load_smoothing * (
-            seconds - reference)
+        reference = self._reference.setdefault((bucket, batch_size), [seconds, 0])
+        reference[0] += self.load_smoothing * (seconds - reference[0])
+        reference[1] += 1
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
         # then the k's own cost at unit load: the mean of its first samples, then a slow EMA
@@ -490,10 +499,10 @@ class AdaptivePolicy:
         steps of the same batch size sets this depth's own cost, fast (module docstring)."""
         reference = self._reference.get((bucket, batch_size))
         base = self._costs.get((self._current, bucket))
-        if reference is None or base is None:  # the depth in use has not run this batch size lately
-            return
+        if reference is None or reference[1] < self.reference_steps or base is None:
+            return  # the depth in use has not run this batch size lately, or only its first, cold steps
         cost.samples += 1
-        unit = seconds / reference * base.seconds  # this depth's cost at unit load
+        unit = seconds / reference[0] * base.seconds  # this depth's cost at unit load
         unit = min(max(unit, cost.seconds / self.outlier_ratio), cost.seconds * self.outlier_ratio)
         # the first step served at this depth replaces the start-up's estimate (module docstring)
         weight = max(self.probe_cost_smoothing, 1.0 / cost.samples) if cost.live else 1.0
@@ -867,7 +876,7 @@ class AdaptivePolicy:
         at most `early_probes` times for each depth and bucket (a probe not timed, the batch size having
         moved, is tried again)."""
         bucket = batch_bucket(max(1, batch_size))
-        if (bucket, batch_size) not in self._reference:
+        if self._reference.get((bucket, batch_size), (0, 0))[1] < self.reference_steps:
             return None
         for k in range(self.max_k + 1):
             cost = self._costs.get((k, bucket))

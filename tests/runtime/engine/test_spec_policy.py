@@ -301,14 +301,26 @@ def test_a_probe_is_compared_with_the_depth_in_use_s_recent_steps_of_its_batch_s
     steps, looked a quarter cheaper; counted only at the depth in use's last batch size, a server at
     concurrency 32 (26-32 rows decoding, another size nearly every step) seldom counted one. A probe
     is set against the depth in use's recent steps of its own batch size, and counts wherever the
-    depth in use ran lately."""
+    depth in use ran lately, once it has timed reference_steps (4) steps of it: its first steps after
+    another depth's run cold (k = 0 after k = 3: 1.26, 1.15, 1.09x from the third on), and an engine at
+    batch 16, just back at k = 0, timed k = 1 against them at 1.7 times k = 0 where it ran 2.0 times."""
     policy = _seeded(AdaptivePolicy(1, probe_interval=1, probe_budget=1e9, probe_cost_smoothing=1.0),
                      lambda k, b: 1.0 + k)  # k = 0 in use, 4 rows; a probe sets its depth's cost
     policy.record_verifies([(1, 0)] * 4)  # (not a fresh policy, which would probe at once)
     policy._until_probe = 10**6
     for _ in range(3):
         assert policy.choose(4) == 0
-    policy.record_step(0, 3, 0.75)  # the depth in use, at 3 rows: three quarters of its 4-row step
+    for _ in range(3):
+        policy.record_step(0, 3, 0.75)  # the depth in use, at 3 rows: three quarters of its 4-row step
+    policy._until_probe = 0
+    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]
+    before = policy.cost(1, 4) / policy.cost(0, 4)
+    policy.record_step(1, 3, 1.2)  # three steps of k = 0 at 3 rows: not yet a reference
+    assert policy.cost(1, 4) / policy.cost(0, 4) == before
+    policy._until_probe = 10**6
+    for _ in range(3):
+        assert policy.choose(4) == 0
+    policy.record_step(0, 3, 0.75)  # the fourth
     policy._until_probe = 0
     assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]  # a probe; its third step is timed ...
     policy.record_step(1, 3, 1.5)  # ... at 3 rows, twice the depth in use's there: as estimated
@@ -331,7 +343,8 @@ def test_a_probe_is_compared_with_the_depth_in_use_s_recent_steps_of_its_batch_s
 
 def test_a_probe_s_step_counts_once_the_two_steps_before_ran_its_depth():
     # p = 0.5: k = 1 gives 1.5 tokens for 2.0 and k = 0 one for 1.0; a probe every 2 steps
-    policy = _seeded(AdaptivePolicy(1, probe_interval=2, probe_budget=1e9), lambda k, b: 1.0 + k)
+    policy = _seeded(AdaptivePolicy(1, probe_interval=2, probe_budget=1e9, reference_steps=1),
+                     lambda k, b: 1.0 + k)
     policy.record_verifies([(1, 1), (1, 0)])
     assert policy.choose(1) == 0
     policy.record_step(0, 1, 1.0)
@@ -812,7 +825,8 @@ def test_a_closed_batch_charges_the_positions_the_draft_has_not_passed_over_to_k
 
 
 def test_one_step_far_off_its_estimate_moves_it_as_one_1_5_times_off():
-    policy = _seeded(AdaptivePolicy(1, probe_interval=10**6), lambda k, b: 1.0 + k)  # one sample each
+    policy = _seeded(AdaptivePolicy(1, probe_interval=10**6, reference_steps=1),
+                     lambda k, b: 1.0 + k)  # one sample each
     policy._recent_k.extend([0, 0, 0])
     policy.record_step(0, 4, 10.0)  # a pause of the process: counted as 1.5
     load = 1.0 + 0.3 * (1.5 - 1.0)
