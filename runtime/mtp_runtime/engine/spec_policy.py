@@ -389,6 +389,9 @@ class AdaptivePolicy:
             raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing}, load_smoothing="
                              f"{self.load_smoothing} and probe_cost_smoothing={self.probe_cost_smoothing} "
                              f"must lie in (0, 1]")
+        if self.early_probes < 0 or self.reference_steps < 1:
+            raise ValueError(f"AdaptivePolicy: early_probes={self.early_probes} must be >= 0 and reference_steps="
+                             f"{self.reference_steps} >= 1")
         if self.hold_weight < 0:
             raise ValueError(f"AdaptivePolicy: hold_weight={self.hold_weight} must be >= 0")
         if self.sequence_prior_weight <= 0:

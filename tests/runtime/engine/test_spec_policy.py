@@ -516,6 +516,10 @@ def test_a_depth_known_only_from_the_start_up_is_probed_at_once_and_its_first_ti
         again.record_step(k, 30 if k == 0 else 31, real[k])  # a probe's rows never match k = 0's
         chosen.append(k)
     assert chosen.count(1) == 3 * again.early_probes and again.cost(1, 30) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="early_probes=-1"):
+        AdaptivePolicy(1, early_probes=-1)
+    with pytest.raises(ValueError, match="reference_steps=0"):
+        AdaptivePolicy(1, reference_steps=0)
 
 
 def test_a_sequence_s_own_verifies_move_its_expected_tokens_from_the_policy_s():
