@@ -30,7 +30,7 @@ import httpx
 
 from mtp_runtime.bench.local_server import LocalServer
 from mtp_runtime.bench.prompts import load_tokenizer
-from mtp_runtime.bench.suite import BenchPlan, bench_servers
+from mtp_runtime.bench.suite import BenchPlan, bench_servers, output_spread_error
 
 SETTINGS = {  # label -> serve flags beyond --model
     "k=0": [],
@@ -71,8 +71,9 @@ def main() -> None:
     args = parse_args()
     if args.requests_per_client < 1 or args.requests_per_level < 0:
         raise SystemExit("--requests-per-client must be >= 1 and --requests-per-level >= 0")
-    if not 0 <= args.output_spread < args.output_len:
-        raise SystemExit(f"--output-spread {args.output_spread} must lie in [0, --output-len {args.output_len})")
+    spread_error = output_spread_error(args.output_spread, args.output_len)
+    if spread_error:
+        raise SystemExit(spread_error)
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = load_tokenizer(args.model_dir)

@@ -17,6 +17,13 @@ from .runner import LevelResult, LevelRun, find_model_name, run_level, summarise
 log = logging.getLogger("mtp.bench")
 
 
+def output_spread_error(spread: int, output_len: int) -> str | None:
+    """The command-line refusal of an output spread that could leave a request no token (None: it is fine)."""
+    if 0 <= spread < output_len:
+        return None
+    return f"--output-spread {spread} must lie in [0, --output-len {output_len})"
+
+
 @dataclass
 class BenchPlan:
     concurrency: list[int]
@@ -40,7 +47,7 @@ class BenchPlan:
     output_spread: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.output_spread < self.output_len:
+        if output_spread_error(self.output_spread, self.output_len):
             raise ValueError(f"output spread {self.output_spread} must lie in [0, output length {self.output_len}): "
                              f"every request must ask for at least one token")
 

@@ -81,16 +81,16 @@ def run(args: argparse.Namespace) -> int:
 
     from mtp_runtime.bench.prompts import load_tokenizer
     from mtp_runtime.bench.report import markdown_table, throughput_ratios, write_outputs
-    from mtp_runtime.bench.suite import BenchPlan, bench_local, bench_servers
+    from mtp_runtime.bench.suite import BenchPlan, bench_local, bench_servers, output_spread_error
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
     if args.requests_per_level < 0:
         print("mtp bench: --requests-per-level must be >= 0", file=sys.stderr)
         return 2
-    if not 0 <= args.output_spread < args.output_len:
-        print(f"mtp bench: --output-spread {args.output_spread} must lie in [0, --output-len {args.output_len})",
-              file=sys.stderr)
+    spread_error = output_spread_error(args.output_spread, args.output_len)
+    if spread_error:
+        print(f"mtp bench: {spread_error}", file=sys.stderr)
         return 2
     if not 0 <= args.temperature <= 2:
         print("mtp bench: --temperature must be in [0, 2]", file=sys.stderr)
