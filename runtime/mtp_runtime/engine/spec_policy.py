@@ -185,13 +185,18 @@ carries that load: served at concurrency 16, one probe step put k = 2 at
 looked 11% dearer than it ran and k = 3 1.5 times k = 2 where it ran 1.3
 times. So in each bucket the first steps of a depth just come into use
 move its own cost, not the load: after `reference_steps` (its first steps
-after another depth's run cold, and move nothing), each of its next
-`anchor_steps` (8) is set against the depth before it's recent steps of
-the same batch size, as a probe is, and the mean of what they give is its
-cost; from then on the load moves as before. (Set against the load as
-the depth before left it, a step of 20 rows counted as one of the 30
-that depth had run, and a server at concurrency 32 held k = 1 at 1.3
-times k = 0's step where it ran 1.7 times.)
+after another depth's run cold, and move nothing), its steps are set
+against the depth before it's recent steps of the same batch size, as a
+probe is, and once `anchor_steps` (8) of them are, the median of what
+they give is its cost (within reference_steps + 2 x anchor_steps steps,
+else nothing is); from then on the load moves as before. (Set against
+the load as the depth before left it, a step of 20 rows counted as one
+of the 30 that depth had run, and a server at concurrency 32 held k = 1
+at 1.3 times k = 0's step where it ran 1.7 times. Their mean, made the
+cost from the first one on, let the two cold first steps of a request
+(the engine benchmark's systems take turns, request by request, at batch
+1) put k = 3 at 2.8 times k = 0 where it runs 2.1 times, and the policy
+held k = 1 and 2 where k = 3 was 6% faster.)
 
 The start-up's costs are a guess for served steps: its dummy steps see 48
 cached tokens, and at concurrency 32 (contexts of 128-200 tokens) they put
@@ -367,9 +372,9 @@ class AdaptivePolicy:
     # (bucket, batch size) -> the depth in use's recent step time there, what a probe is compared with
     # (its steps timed there since it came into use: a probe waits for reference_steps of them)
     _reference: dict[tuple[int, int], list] = field(init=False, default_factory=dict)
-    # bucket -> [timed steps of the depth in use there since it came into use, how many of them were set
-    # against the depth before it, the sum of what they made its cost] while they move its own cost, not
-    # the load (reference_steps + anchor_steps; module docstring); None before the first change of depth
+    # bucket -> [timed steps of the depth in use there since it came into use, what each of them set against
+    # the depth before it made its cost] while they move its own cost, not the load (module docstring); None
+    # before the first change of depth
     _anchor: dict[int, list] | None = field(init=False, default=None)
     _anchor_from: int = field(init=False, default=0)  # the depth before the one in use
     _anchor_reference: dict[tuple[int, int], list] = field(init=False, default_factory=dict)  # its reference
@@ -521,16 +526,16 @@ class AdaptivePolicy:
         reference[0] += self.load_smoothing * (seconds - reference[0])
         reference[1] += 1
         if self._anchor is not None and self.anchor_steps:
-            anchor = self._anchor.setdefault(bucket, [0, 0, 0.0])  # timed steps, compared ones, their sum
-            if anchor[0] < self.reference_steps + self.anchor_steps:
+            anchor = self._anchor.setdefault(bucket, [0, []])  # timed steps, what each compared one made its cost
+            if anchor[0] < self.reference_steps + 2 * self.anchor_steps and len(anchor[1]) < self.anchor_steps:
                 # a depth just come into use: set against the depth before it, as a probe is (module docstring)
                 anchor[0] += 1
                 before = self._anchor_reference.get((bucket, batch_size))
                 base = self._costs.get((self._anchor_from, bucket))
                 if anchor[0] > self.reference_steps and before and before[1] >= self.reference_steps and base:
-                    anchor[1] += 1
-                    anchor[2] += seconds / before[0] * base.seconds
-                    cost.seconds = anchor[2] / anchor[1]
+                    anchor[1].append(seconds / before[0] * base.seconds)
+                    if len(anchor[1]) == self.anchor_steps:
+                        cost.seconds = statistics.median(anchor[1])
                 return
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)

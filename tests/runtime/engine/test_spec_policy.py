@@ -463,7 +463,7 @@ def test_a_depth_come_into_use_meets_its_steps_with_its_own_cost_not_the_load():
     and the other depths keep what they were measured at against the depth in use before."""
     real = {0: 1.0, 1: 2.0, 2: 2.8, 3: 3.64}
 
-    def run(rows=16, steps=60, **settings):
+    def run(rows=16, steps=60, slow=(3, 4), **settings):
         policy = AdaptivePolicy(3, prior_weight=1e-9, probe_interval=10**6, **settings)
         for k in range(4):  # as a server's estimates after its early probes: k = 2's from one step, 10% low
             policy.seed_step_cost(k, 16, [2.52 if k == 2 else real[k]] * 5)
@@ -475,7 +475,7 @@ def test_a_depth_come_into_use_meets_its_steps_with_its_own_cost_not_the_load():
         for _ in range(steps):
             k = policy.choose(16)
             chosen.append(k)
-            cold = 1.2 if len(chosen) in (3, 4) else 1.0  # (the two steps after the untimed ones)
+            cold = 1.2 if len(chosen) in slow else 1.0  # (the two steps after the untimed ones)
             policy.record_step(k, rows, real[k] * cold * rows / 16)
         assert chosen == [2] * steps
         return [policy.cost(k, 16) for k in range(4)]
@@ -487,6 +487,10 @@ def test_a_depth_come_into_use_meets_its_steps_with_its_own_cost_not_the_load():
     # steps at 12 rows, where k = 0 ran 16 (cheaper by a quarter), move neither its cost nor the load
     costs = run(rows=12, steps=12)
     assert costs[2] == pytest.approx(2.52) and costs[0] == pytest.approx(1.0)
+    # the median of anchor_steps of them: two cold ones among them (a request's first steps after an idle
+    # spell) move nothing
+    costs = run(slow=(7, 8))
+    assert costs[2] == pytest.approx(2.8, rel=0.01) and costs[0] == pytest.approx(1.0, rel=0.01)
     old = run(anchor_steps=0)  # (the load met them)
     assert old[0] > 1.05 and old[3] / old[2] > 1.35
     with pytest.raises(ValueError, match="anchor_steps=-1"):
