@@ -177,27 +177,6 @@ kept the start-up's costs times a load factor that k = 0's steps had set
 (k = 1 and 2 estimated at 15.2 and 23.1 ms a step where they ran 11.1 and
 15.6; k = 0 at 6.6 against 6.3).
 
-A depth comes into use on what its probes measured, a few steps (one, for
-an early probe, below), each set against another depth's; once in use,
-its steps moved the bucket's load to fit them, and every depth not in use
-carries that load: served at concurrency 16, one probe step put k = 2 at
-2.52 times k = 0 where it ran 2.8 times, and with k = 2 in use k = 0
-looked 11% dearer than it ran and k = 3 1.5 times k = 2 where it ran 1.3
-times. So in each bucket the first steps of a depth just come into use
-move its own cost, not the load: after `reference_steps` (its first steps
-after another depth's run cold, and move nothing), its steps are set
-against the depth before it's recent steps of the same batch size, as a
-probe is, and once `anchor_steps` (8) of them are, the median of what
-they give is its cost (within reference_steps + 2 x anchor_steps steps,
-else nothing is); from then on the load moves as before. (Set against
-the load as the depth before left it, a step of 20 rows counted as one
-of the 30 that depth had run, and a server at concurrency 32 held k = 1
-at 1.3 times k = 0's step where it ran 1.7 times. Their mean, made the
-cost from the first one on, let the two cold first steps of a request
-(the engine benchmark's systems take turns, request by request, at batch
-1) put k = 3 at 2.8 times k = 0 where it runs 2.1 times, and the policy
-held k = 1 and 2 where k = 3 was 6% faster.)
-
 The start-up's costs are a guess for served steps: its dummy steps see 48
 cached tokens, and at concurrency 32 (contexts of 128-200 tokens) they put
 k = 2 and 3 at 1.59 and 2.19 times k = 1's step where served steps ran 1.36
@@ -220,6 +199,18 @@ policy held k = 0 (mean k 0.12, 0.85x the best fixed k) between probes
 to `hold_weight` (1) verifies of draft 1: the estimate stands, and the next
 probe's verifies outweigh it (kept whole, the counts of a draft gone bad,
 tens of verifies, would outweigh the few of the probes after it recovered).
+
+A request's first drafts agree less than its later ones (bench preset,
+closed batches of 32 at k = 3: 1.5-1.8 of 3 drafts accepted a step in
+the first three steps, 2.5-2.9 later), and a server whose 32 requests
+started together fell to k = 0 on them; there the dip's estimate stood
+(above), and a probe of k = 3, three steps at three times k = 0's cost,
+waited ~300 steps for probe_budget: most of the burst ran at k = 0 (mean
+k 0.15-0.7 over a level, 0.82-0.90x the best fixed k), where k = 3 ran
+1.2 times faster. So a policy whose open batch falls to k = 0 probes the
+depth it left `recheck_steps` (32) later, whatever that costs, once; a
+draft gone bad pays one probe for it. (A closed batch's choice already
+weighs each sequence's own and the long-run acceptance.)
 
 The choice itself is cheap but not free (the scores: 4 us at batch 1, 7 at
 batch 16, where a graph-mode step at batch 1 is 0.8 ms), and from one step to
@@ -330,8 +321,6 @@ class AdaptivePolicy:
     # a probe's step counts once the depth in use has timed this many steps of its batch size since it came
     # into use (module docstring)
     reference_steps: int = 4
-    # ... and after those, a depth just come into use moves its own cost, not the load, on this many steps
-    anchor_steps: int = 8
     cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
     # a policy fallen to k = 0 probes the depth it left this many steps later, whatever it costs (module docstring)
     recheck_steps: int = 32
@@ -372,12 +361,6 @@ class AdaptivePolicy:
     # (bucket, batch size) -> the depth in use's recent step time there, what a probe is compared with
     # (its steps timed there since it came into use: a probe waits for reference_steps of them)
     _reference: dict[tuple[int, int], list] = field(init=False, default_factory=dict)
-    # bucket -> [timed steps of the depth in use there since it came into use, what each of them set against
-    # the depth before it made its cost] while they move its own cost, not the load (module docstring); None
-    # before the first change of depth
-    _anchor: dict[int, list] | None = field(init=False, default=None)
-    _anchor_from: int = field(init=False, default=0)  # the depth before the one in use
-    _anchor_reference: dict[tuple[int, int], list] = field(init=False, default_factory=dict)  # its reference
     _evidence: bool = field(init=False, default=False)  # this step verified a real draft (end_step decays)
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
@@ -421,9 +404,9 @@ class AdaptivePolicy:
             raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing}, load_smoothing="
                              f"{self.load_smoothing} and probe_cost_smoothing={self.probe_cost_smoothing} "
                              f"must lie in (0, 1]")
-        if self.early_probes < 0 or self.reference_steps < 1 or self.anchor_steps < 0:
-            raise ValueError(f"AdaptivePolicy: early_probes={self.early_probes} and anchor_steps={self.anchor_steps} "
-                             f"must be >= 0 and reference_steps={self.reference_steps} >= 1")
+        if self.early_probes < 0 or self.reference_steps < 1:
+            raise ValueError(f"AdaptivePolicy: early_probes={self.early_probes} must be >= 0 and reference_steps="
+                             f"{self.reference_steps} >= 1")
         if self.hold_weight < 0:
             raise ValueError(f"AdaptivePolicy: hold_weight={self.hold_weight} must be >= 0")
         if self.sequence_prior_weight <= 0:
@@ -525,18 +508,6 @@ class AdaptivePolicy:
         reference = self._reference.setdefault((bucket, batch_size), [seconds, 0])
         reference[0] += self.load_smoothing * (seconds - reference[0])
         reference[1] += 1
-        if self._anchor is not None and self.anchor_steps:
-            anchor = self._anchor.setdefault(bucket, [0, []])  # timed steps, what each compared one made its cost
-            if anchor[0] < self.reference_steps + 2 * self.anchor_steps and len(anchor[1]) < self.anchor_steps:
-                # a depth just come into use: set against the depth before it, as a probe is (module docstring)
-                anchor[0] += 1
-                before = self._anchor_reference.get((bucket, batch_size))
-                base = self._costs.get((self._anchor_from, bucket))
-                if anchor[0] > self.reference_steps and before and before[1] >= self.reference_steps and base:
-                    anchor[1].append(seconds / before[0] * base.seconds)
-                    if len(anchor[1]) == self.anchor_steps:
-                        cost.seconds = statistics.median(anchor[1])
-                return
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
         # then the k's own cost at unit load: the mean of its first samples, then a slow EMA
@@ -888,12 +859,10 @@ class AdaptivePolicy:
             best = max(range(len(scores)), key=lambda k: scores[k])
             current = scores[self._current]
             if best != self._current and scores[best] > current * (1 + self.switch_margin):
-                # the last depth's recent steps are no reference for probes, but the new depth's first
-                # steps are set against them (module docstring)
-                self._anchor_from, self._current = self._current, best
-                self._anchor_reference, self._reference, self._anchor = self._reference, {}, {}
                 if best == 0 and not closed:  # the depth left is probed again soon (module docstring)
-                    self._recheck, self._until_probe = self._anchor_from, self.recheck_steps
+                    self._recheck, self._until_probe = self._current, self.recheck_steps
+                self._current = best
+                self._reference.clear()  # (the last depth's)
                 self._probe_scale = 1
         self._since_probe += 1
         self._until_probe -= 1
