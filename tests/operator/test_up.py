@@ -231,7 +231,7 @@ def test_ctrl_c_during_a_restart_backoff_exits_at_once(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "mtp_runtime", "up", str(cr), "--models-dir", str(models),
          "--restart-backoff", "120", "--log-dir", str(tmp_path / "logs")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
     try:
         assert proc.stdout is not None
@@ -243,7 +243,12 @@ def test_ctrl_c_during_a_restart_backoff_exits_at_once(tmp_path):
         assert seen and "restarting the whole group" in seen[-1], "".join(seen)
         interrupted = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # the fault handler prints where every thread is
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"mtp up still ran 30 s after SIGINT; its threads:\n{err[-8000:]}")
         assert time.monotonic() - interrupted < 20
     finally:
         if proc.poll() is None:

@@ -14,7 +14,6 @@ import re
 import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     from mtp_operator.plan import PlanError
     from mtp_operator.settings import SettingsError
     from mtp_operator.spec import SpecError
+    from mtp_runtime.signal_stop import SignalStop
 
     def fail(message: str) -> int:
         print(f"mtp up: {message}", file=sys.stderr)
@@ -219,13 +219,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"           group {group.index}: HTTP from port {group.plan.http_port}, "
                   f"master {group.plan.master_address}", flush=True)
 
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    # Not a threading.Event: its set() from a signal handler can deadlock on the lock its wait() holds.
+    with SignalStop().on_signals(signal.SIGINT, signal.SIGTERM) as stop:
         code = deployment.run(stop)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if deployment.fleet:
         for line in deployment.group_summaries():
             print(line, flush=True)

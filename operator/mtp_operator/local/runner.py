@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from mtp_operator.local import report
 from mtp_operator.local.client import smoke_requests
@@ -38,6 +37,14 @@ from mtp_operator.status import compute_status
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+
+
+class Stop(Protocol):
+    """What asks the loop to stop: a threading.Event, or mtp up's SignalStop (safe in a signal handler)."""
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 @dataclass
@@ -137,7 +144,7 @@ class LocalDeployment:
             return None
         return ExportObservation(self.plan.export.job_name, state, message)  # type: ignore[union-attr]
 
-    def run_export(self, stop: threading.Event) -> bool:
+    def run_export(self, stop: Stop) -> bool:
         """Run the export step to its end; `mtp export` itself skips an up-to-date draft."""
         if self.export is None:
             return True
@@ -201,7 +208,7 @@ class LocalDeployment:
 
     # ---- the loop
 
-    def run(self, stop: threading.Event) -> int:
+    def run(self, stop: Stop) -> int:
         started = time.monotonic()
         if not self.run_export(stop):
             return EXIT_OK if stop.is_set() and self.status.get("phase") != "Failed" else EXIT_FAILED

@@ -18,6 +18,7 @@ import threading
 
 import uvicorn
 
+from ..signal_stop import SignalStop
 from .app import create_app
 from .args import ServeArgs, resolve_dtype
 from .async_engine import AsyncEngine
@@ -87,14 +88,18 @@ def engine_factory(args: ServeArgs, max_model_len: int):
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn's own graceful shutdown, plus: refuse new work the moment SIGTERM arrives."""
+    """uvicorn's own graceful shutdown, plus: refuse new work the moment SIGTERM arrives.
+
+    The drain (`on_exit_signal`) takes the engine's lock, which the main thread may hold where the signal
+    interrupts it; so the handler only sets a SignalStop, and the drain runs on a thread of its own."""
 
     def __init__(self, config: uvicorn.Config, on_exit_signal) -> None:
         super().__init__(config)
-        self._on_exit_signal = on_exit_signal
+        self._exit_signal = SignalStop()
+        self._exit_signal.call_when_set(on_exit_signal, name="drain-on-signal")
 
     def handle_exit(self, sig, frame) -> None:
-        self._on_exit_signal()
+        self._exit_signal.set()
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
