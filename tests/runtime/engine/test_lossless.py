@@ -263,10 +263,15 @@ def test_graph_mode_with_adaptive_depth_has_a_one_call_step_for_every_k(kit, tin
     assert sorted(runner.decode_steps) == [0, 1, 2] and sorted(runner.graph_warm_up_by_k) == [0, 1, 2]
     assert all(isinstance(step, AotDecodeStep) for step in runner.decode_steps.values()), runner.aot_reason
     assert all(step.keep_hidden for step in runner.decode_steps.values())
-    ran = []
+    ran, too_wide = [], []
     for k, step in runner.decode_steps.items():
         def counted(plan, *args, k=k, step=step):
             ran.append(k)
+            # the block tables reach this step's positions, not the K drafts the scheduler allocated for
+            reach = max(k + 1, 2 * k)
+            width = plan.shape[1] - (k + 2)
+            if width != max(-(-(int(cached) + reach) // 8) for cached in plan[:, 0]):
+                too_wide.append((k, plan[:, 0].tolist(), width))
             return step(plan, *args)
         runner.decode_steps[k] = counted
     runner.decode_step = runner.decode_steps[2]
@@ -286,6 +291,7 @@ def test_graph_mode_with_adaptive_depth_has_a_one_call_step_for_every_k(kit, tin
     kit.OracleDrafts(engine, expected, hit_rate=0.7, seed=2)
     assert kit.run_requests(engine, spec["requests"](), spec["arrivals"]) == expected
     assert set(ran) == {0, 1, 2}, "some k never took its one-call step"
+    assert not too_wide, too_wide
     assert splits and all(0 < rows < size and seconds > 0 for _, rows, seconds, size in splits)
     assert all((k, rows, seconds) in timed for k, rows, seconds, _ in splits)
     assert {(k, rows) for k, rows, *_ in splits} & set(hosted)
