@@ -40,10 +40,8 @@ class SignalStop:
 
     def set(self) -> None:
         self._flag = True
-        try:
+        with contextlib.suppress(OSError):  # the pipe is full (set many times over): it is readable already
             os.write(self._write, b"\0")
-        except (BlockingIOError, OSError):  # the pipe is full (already set many times) or closed
-            pass
 
     def is_set(self) -> bool:
         return self._flag

@@ -71,8 +71,9 @@ CHILD = textwrap.dedent("""
     from mtp_runtime.signal_stop import SignalStop
     with SignalStop().on_signals(signal.SIGINT) as stop:
         print("ready", flush=True)
+        spins = 0
         while not stop.wait(0):  # inside wait nearly all the time: where threading.Event's set() would deadlock
-            pass
+            spins += 1
     print("stopped", flush=True)
 """)
 
