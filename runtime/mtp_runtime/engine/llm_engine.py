@@ -287,7 +287,14 @@ class LLMEngine:
             def draining():  # built only on the steps the policy revises a drain's choice
                 return [(seq.max_output_tokens - seq.num_output_tokens, seq.tried_per_position,
                          seq.accepted_per_position, self._unseen_positions(seq)) for seq in running]
-        k = self.policy.choose(max(1, sum(batch.samples)), draining)
+        size = sum(batch.samples)
+        if not any(decoding):
+            # Prompts alone: their k decides only whether the draft passes over them now, for the steps
+            # after, whose batch holds every running and waiting sequence. (Asked at the prompts' number,
+            # a closed batch of 32 whose first step prefilled 16 was asked at 16, a size its drain passes
+            # through too fast to measure, and the draft passed over the prompts at k = 2 or 3.)
+            size = min(self.config.max_seqs_per_batch, len(self.scheduler.running) + len(self.scheduler.waiting))
+        k = self.policy.choose(max(1, size), draining)
         batch.num_speculative_tokens = k
         batch.num_real_drafts = []
         for i, seq in enumerate(batch.seqs):

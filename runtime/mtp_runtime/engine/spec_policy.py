@@ -32,7 +32,15 @@ six k = 3 steps then six k = 0 steps, the k = 0 steps took 1.56, 1.54, 1.36,
 1.35, 1.36 and 1.26 ms (the k = 3 steps 4.48, 3.36, 3.48, 3.24, 3.22, 3.26).
 Timed, those cold steps made the depths not in use (known only from probes
 and the start-up's dummy steps) look dearer than they run, the cheapest the
-most, and the policy speculated where k = 0 was faster.
+most, and the policy speculated where k = 0 was faster. A closed batch's
+first steps after sequences join it run cold too, after their prompts'
+prefill (bench preset, batch 32, k = 0: the first decode step took 5.7 ms,
+the fourth 4.6, from the seventh on 4.0-4.5 as the contexts grew); set
+against them, the first batch's probes put k = 3 at 3.6 times k = 0's step
+where it ran 4.5 times, and the policy ran k = 1 or 3 at batch 32, where
+k = 0 was 19-30% faster. So the `settle_steps` (8) steps from the one at
+which sequences join a closed batch are not timed, and no probe starts in
+them.
 
 Exploration: a policy at k = 0 that has seen no verify yet (a fresh engine:
 its acceptance is only the prior's) probes the deepest k at once, untimed (those
@@ -52,7 +60,8 @@ the depth in use, sets it back; and a probe of a depth dearer than the one in
 use waits until its steps' extra cost is at most `probe_budget` (2%) of the time
 since the last probe (closed batches of 16: a k = 1 step cost twice a k = 0
 one, and with a close call every ~128 steps, its probes, fills and cold steps
-held the policy at 0.91x k = 0; now 1.01x). (A probe that moved its depth's cost by more
+held the policy at 0.91x k = 0; now 1.01x). A wait is counted again every
+quarter interval, at the batch size then. (A probe that moved its depth's cost by more
 than 3% used to set it back; timings at batch 4 are noisy by more than that,
 the gap seldom grew, and with a draft that never agreed an engine held at k =
 0 ran 0.93x fixed k = 0.) A probe lasts `probe_steps` (3) steps: its first
@@ -210,7 +219,12 @@ k 0.15-0.7 over a level, 0.82-0.90x the best fixed k), where k = 3 ran
 1.2 times faster. So a policy whose open batch falls to k = 0 probes the
 depth it left `recheck_steps` (32) later, whatever that costs, once; a
 draft gone bad pays one probe for it. (A closed batch's choice already
-weighs each sequence's own and the long-run acceptance.)
+weighs each sequence's own and the long-run acceptance.) A fall to k = 0
+at a change of bucket is no dip: the engine benchmark's closed batches of
+32 end with one sequence at k = 3, the next batch's first (open) step fell
+to k = 0 at 32, and the recheck then probed k = 3 at batch 32 in every
+batch, three steps at 4.5 times k = 0's (~10% of the batch's time). Only a
+fall within a bucket is rechecked.
 
 The choice itself is cheap but not free (the scores: 4 us at batch 1, 7 at
 batch 16, where a graph-mode step at batch 1 is 0.8 ms), and from one step to
@@ -322,6 +336,7 @@ class AdaptivePolicy:
     # into use (module docstring)
     reference_steps: int = 4
     cold_steps: int = 2  # steps after a change of depth that are not timed (module docstring)
+    settle_steps: int = 8  # a closed batch's steps after sequences join it that are not timed (module docstring)
     # a policy fallen to k = 0 probes the depth it left this many steps later, whatever it costs (module docstring)
     recheck_steps: int = 32
     # an open batch's choice is revised every this many steps, at once when its bucket changes or a
@@ -423,6 +438,8 @@ class AdaptivePolicy:
             raise ValueError(f"AdaptivePolicy: outlier_ratio={self.outlier_ratio} must be > 1")
         if self.drain_budget <= 0:
             raise ValueError(f"AdaptivePolicy: drain_budget={self.drain_budget} must be > 0")
+        if self.settle_steps < 0:
+            raise ValueError(f"AdaptivePolicy: settle_steps={self.settle_steps} must be >= 0")
         if self.cold_steps < 0 or self.probe_steps < self.cold_steps + 1:
             raise ValueError(f"AdaptivePolicy: probe_steps={self.probe_steps} must be >= cold_steps + 1 = "
                              f"{self.cold_steps + 1} (a probe's first {self.cold_steps} steps run cold and are "
@@ -806,7 +823,10 @@ class AdaptivePolicy:
             return self._probe_k
         scores: list[float | None] | None
         closed = draining is not None and (batch_size > 1 if callable(draining) else len(draining) > 1)
+        moved = False  # (an open batch's bucket changed since its last revision)
         grown, self._last_batch = batch_size > self._last_batch, batch_size
+        if closed and grown:  # its prompts were just prefilled: its first steps run cold (module docstring)
+            self._untimed = max(self._untimed, self.settle_steps)
         if closed:
             # A drain's outlook changes slowly, and its estimate costs 0.1-0.2 ms: next to a 1 ms step
             # (batch 4 at k = 0) it was 4% of the run when made every fourth step. Sequences admitted
@@ -828,7 +848,8 @@ class AdaptivePolicy:
             # The scores (4 us at batch 1, on a graph-mode step of 0.8 ms) move little from one step to the next:
             # revised every few steps, at once in another bucket or after a probe (its evidence)
             bucket = batch_bucket(max(1, batch_size))
-            if self._revise_wait and bucket == self._revise_bucket:
+            moved = bucket != self._revise_bucket
+            if self._revise_wait and not moved:
                 self._revise_wait -= 1
                 scores = None
             else:
@@ -853,19 +874,21 @@ class AdaptivePolicy:
                 self._probe_left += int(self.first_drafts_deferred)
                 self._untimed = self._probe_left + 1
                 return k
-            early = self._early_probe(batch_size)
+            early = None if self._untimed else self._early_probe(batch_size)
             if early is not None:
                 return self._start_probe(early)
             best = max(range(len(scores)), key=lambda k: scores[k])
             current = scores[self._current]
             if best != self._current and scores[best] > current * (1 + self.switch_margin):
-                if best == 0 and not closed:  # the depth left is probed again soon (module docstring)
+                if best == 0 and not closed and not moved:  # the depth left is probed again soon (module docstring)
                     self._recheck, self._until_probe = self._current, self.recheck_steps
                 self._current = best
                 self._reference.clear()  # (the last depth's)
                 self._probe_scale = 1
         self._since_probe += 1
         self._until_probe -= 1
+        if self._untimed:  # (a probe's steps would not be timed)
+            return self._current
         if self._until_probe <= 0 and self._recheck:
             target, self._recheck = self._recheck, 0
             self._until_probe = self._next_probe_gap()
@@ -885,7 +908,9 @@ class AdaptivePolicy:
                 target = higher[(turn // 2 if lower else turn) % len(higher)]
             wait = 0 if target is None else self._probe_wait(target, batch_size)
             if wait:  # a dear probe waits until the steps since the last one pay for it (probe_budget)
-                self._until_probe = wait
+                # counted again every quarter interval, at the batch size then: a wait counted for a batch
+                # of 32 would hold the probes of the batch of 4 after it, where they cost less
+                self._until_probe = min(wait, max(1, self.probe_interval // 4))
                 return self._current
             # (a switch sets it back too)
             self._probe_scale = 1 if self._probe_close_call else min(2 * self._probe_scale, self.probe_backoff)

@@ -184,6 +184,28 @@ def test_generate_tells_adaptive_depth_when_its_batch_is_closed(tiny_models):
 
 
 
+def test_a_step_of_prompts_alone_asks_adaptive_depth_at_the_size_of_the_batch_to_come(tiny_models):
+    """A step that only prefills decides whether the draft passes over its prompts, for the steps after it,
+    whose batch holds every running and waiting sequence: the policy is asked at that size, not at the
+    number of prompts (a closed batch of 32 whose first step prefilled 16 was asked at 16, where a drain
+    seldom runs, and the draft passed over the prompts at k = 2 or 3 where k = 0 ran the batch)."""
+    from mtp_runtime import LLM
+
+    llm = LLM(tiny_models["deepseek_v3"], num_speculative_tokens=2, speculative_adaptive=True, max_model_len=96,
+              block_size=4, max_seqs_per_batch=4, max_tokens_per_batch=8, enable_graph=False)
+    engine, asked = llm.engine, []
+    choose = engine.policy.choose
+    engine.policy.choose = lambda size, draining=None: (asked.append(size), choose(size, draining))[1]
+    schedule = engine.scheduler.schedule
+    prompts_alone = []
+    engine.scheduler.schedule = lambda: (batch := schedule(), prompts_alone.append(
+        not any(batch.num_draft_tokens) and len(batch) == 2), batch)[0]
+    outs = llm.generate([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert prompts_alone[0] and asked[0] == 4  # two prompts prefilled (8 tokens), two waiting
+    assert [len(o.token_ids) for o in outs] == [6] * 4
+
+
 def test_an_adaptive_engine_times_the_host_s_time_between_decode_steps(tiny_models):
     """Each decode step's host time, from its start to the next step's less its model call, goes to the
     policy (a caller's work between steps included: a server's delivery); no interval is left open

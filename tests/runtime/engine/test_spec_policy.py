@@ -540,7 +540,7 @@ def _closed_batch_policy(**options) -> AdaptivePolicy:
     def cost(k, b):
         return {1: 0.7, 2: 0.72, 4: 0.75, 8: 0.8, 16: 0.9, 32: 1.0}[b] * (1.0 + 0.6 * k)
 
-    policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6, **options)
+    policy = AdaptivePolicy(1, prior_weight=1e-9, **{"probe_interval": 10**6, **options})
     for k in (0, 1):
         for b in (1, 2, 4, 8, 16, 32):
             policy.record_step(k, b, cost(k, b))
@@ -759,6 +759,26 @@ def test_a_policy_fallen_to_k_0_probes_the_depth_it_left_soon_whatever_that_cost
         AdaptivePolicy(1, recheck_steps=0)
 
 
+def test_a_fall_to_k_0_at_a_change_of_batch_size_is_not_rechecked():
+    """The engine benchmark's closed batches of 32 end with one sequence at k = 3, and the next batch's first
+    (open) step falls to k = 0 at 32: no dip of the drafts, only a batch where k = 3 costs 4.4 times k = 0.
+    Rechecked, k = 3 was probed there in every batch (~10% of its time). Only a fall within a bucket is."""
+    unit = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 16: {0: 1.0, 1: 2.2, 2: 3.3, 3: 4.4}}
+    policy = _seeded(AdaptivePolicy(3, prior_weight=1e-9, seed=2), lambda k, b: unit.get(b, unit[16])[k])
+    policy.record_verifies([(3, 3)] * 30 + [(3, 0)] * 2)
+    chosen = []
+    for step in range(120):
+        b = 1 if step < 40 else 16
+        k = policy.choose(b)
+        chosen.append(k)
+        if k:
+            policy.record_verifies([(k, k)] * 15 + [(k, 0)])
+        policy.record_step(k, b, unit[b][k])
+        policy.end_step()
+    assert chosen[20:40] == [3] * 20 and chosen[40] == 0
+    assert chosen[41:120] == [0] * 79  # (the budget's wait at batch 16: 3 x 3.4 / 0.02 steps)
+
+
 def test_a_dear_probe_waits_until_the_steps_since_the_last_one_pay_for_it():
     """Closed batches of 16 on the bench preset: a k = 1 step cost twice a k = 0 step, and a probe every
     ~128 steps (its three steps, the fill, the cold steps after) cost the policy held at k = 0 9% of
@@ -790,6 +810,29 @@ def test_a_dear_probe_waits_until_the_steps_since_the_last_one_pay_for_it():
     assert cheap.count(1) > 2800 and gaps and max(gaps) <= 2 * 85  # (every second probe time)
     with pytest.raises(ValueError, match="probe_budget"):
         AdaptivePolicy(1, probe_budget=0)
+
+
+def test_a_probe_s_wait_is_counted_again_at_the_batch_size_then():
+    """A dear probe's wait, counted at a batch where a k = 1 step costs 2.2 times k = 0's (3 x 1.2 / 0.02: 180
+    steps), held the probes of the batch of 4 after it, where k = 1 costs 1.3 times k = 0 (45 steps). The wait
+    is counted again every quarter interval, at the batch size then."""
+    def cost(k, b):
+        return 1.0 + ((2.2 if b > 4 else 1.3) - 1.0) * k
+
+    policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, seed=2), cost)
+    chosen = []
+    for i in range(1400):
+        b = 16 if i < 1000 else 4
+        k = policy.choose(b)
+        chosen.append(k)
+        if k:
+            policy.record_verifies([(1, 0)] * b)
+        policy.record_step(k, b, cost(k, b))
+        policy.end_step()
+    starts = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
+    gaps = [b - a for a, b in zip(starts[1:], starts[2:]) if b < 1000]
+    assert len(gaps) >= 3 and min(gaps) >= 180
+    assert min(i for i in starts if i >= 1000) <= 1000 + 45 + 16 / 4
 
 
 def test_the_draft_s_pass_over_the_prompts_to_come_is_charged_to_speculating():
@@ -886,6 +929,30 @@ def test_sequences_admitted_to_a_closed_batch_make_its_choice_anew():
     assert policy.choose(2, [fast] * 2) == 1  # a fast tail: k = 1, held for 8 steps...
     assert policy.choose(32, [slow] * 32) == 0  # ... unless sequences join: made anew at once
     assert policy.choose(32, [fast] * 32) == 0  # and then held until its next revision
+
+
+def test_a_closed_batch_s_first_steps_after_sequences_join_are_not_timed():
+    """After a closed batch's prompts are prefilled its first decode steps run cold (bench preset, batch 32,
+    k = 0: 5.7 ms, then 4.6 at the fourth, 4.0-4.5 from the seventh on), and the first batch's probes, set
+    against them, put k = 3 at 3.6 times k = 0's step where it ran 4.5 times. The settle_steps steps from the
+    one at which sequences join are not timed, and no probe starts in them."""
+    policy = _closed_batch_policy(drain_interval=8, probe_interval=4, settle_steps=8)
+    fast = (60, [20], [20])
+    policy.choose(2, [fast] * 2)
+    policy.record_step(1, 2, 0.72 * 1.6)
+    before = policy.cost(1, 32), policy.cost(0, 32)
+    chosen = []
+    for _ in range(8):  # a new batch of 32 joins: its first 8 steps run 3 times slower, at the depth in use
+        chosen.append(policy.choose(32, [fast] * 32))
+        policy.record_step(chosen[-1], 32, 3.0 * (1.0 + 0.6 * chosen[-1]))
+        policy.end_step()
+    assert chosen == [chosen[0]] * 8  # no probe
+    assert (policy.cost(1, 32), policy.cost(0, 32)) == before
+    k = policy.choose(32, [fast] * 32)
+    policy.record_step(k, 32, 3.0 * (1.0 + 0.6 * k))
+    assert policy.cost(k, 32) > before[k]  # the ninth is timed
+    with pytest.raises(ValueError, match="settle_steps"):
+        AdaptivePolicy(1, settle_steps=-1)
 
 
 def test_the_host_s_time_around_each_step_is_part_of_its_cost():
