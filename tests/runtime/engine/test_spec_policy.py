@@ -759,6 +759,21 @@ def test_a_policy_fallen_to_k_0_probes_the_depth_it_left_soon_whatever_that_cost
         AdaptivePolicy(1, recheck_steps=0)
 
 
+def _steps(policy: AdaptivePolicy, steps: int, batch, cost, verifies) -> list[int]:
+    """Runs `steps` steps: step i at batch size batch(i), each at the k the policy chooses, verifying
+    verifies(k, b) and timed cost(k, b); returns the chosen k's."""
+    chosen = []
+    for i in range(steps):
+        b = batch(i)
+        k = policy.choose(b)
+        chosen.append(k)
+        if k:
+            policy.record_verifies(verifies(k, b))
+        policy.record_step(k, b, cost(k, b))
+        policy.end_step()
+    return chosen
+
+
 def test_a_fall_to_k_0_at_a_change_of_batch_size_is_not_rechecked():
     """The engine benchmark's closed batches of 32 end with one sequence at k = 3, and the next batch's first
     (open) step falls to k = 0 at 32: no dip of the drafts, only a batch where k = 3 costs 4.4 times k = 0.
@@ -766,15 +781,8 @@ def test_a_fall_to_k_0_at_a_change_of_batch_size_is_not_rechecked():
     unit = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 16: {0: 1.0, 1: 2.2, 2: 3.3, 3: 4.4}}
     policy = _seeded(AdaptivePolicy(3, prior_weight=1e-9, seed=2), lambda k, b: unit.get(b, unit[16])[k])
     policy.record_verifies([(3, 3)] * 30 + [(3, 0)] * 2)
-    chosen = []
-    for step in range(120):
-        b = 1 if step < 40 else 16
-        k = policy.choose(b)
-        chosen.append(k)
-        if k:
-            policy.record_verifies([(k, k)] * 15 + [(k, 0)])
-        policy.record_step(k, b, unit[b][k])
-        policy.end_step()
+    chosen = _steps(policy, 120, lambda i: 1 if i < 40 else 16, lambda k, b: unit[b][k],
+                    lambda k, b: [(k, k)] * 15 + [(k, 0)])
     assert chosen[20:40] == [3] * 20 and chosen[40] == 0
     assert chosen[41:120] == [0] * 79  # (the budget's wait at batch 16: 3 x 3.4 / 0.02 steps)
 
@@ -820,15 +828,7 @@ def test_a_probe_s_wait_is_counted_again_at_the_batch_size_then():
         return 1.0 + ((2.2 if b > 4 else 1.3) - 1.0) * k
 
     policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, seed=2), cost)
-    chosen = []
-    for i in range(1400):
-        b = 16 if i < 1000 else 4
-        k = policy.choose(b)
-        chosen.append(k)
-        if k:
-            policy.record_verifies([(1, 0)] * b)
-        policy.record_step(k, b, cost(k, b))
-        policy.end_step()
+    chosen = _steps(policy, 1400, lambda i: 16 if i < 1000 else 4, cost, lambda k, b: [(1, 0)] * b)
     starts = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
     gaps = [b - a for a, b in zip(starts[1:], starts[2:]) if b < 1000]
     assert len(gaps) >= 3 and min(gaps) >= 180
