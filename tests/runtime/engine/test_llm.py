@@ -196,10 +196,13 @@ def test_a_step_of_prompts_alone_asks_adaptive_depth_at_the_size_of_the_batch_to
     engine, asked = llm.engine, []
     choose = engine.policy.choose
     engine.policy.choose = lambda size, draining=None: (asked.append(size), choose(size, draining))[1]
-    schedule = engine.scheduler.schedule
-    prompts_alone = []
-    engine.scheduler.schedule = lambda: (batch := schedule(), prompts_alone.append(
-        not any(batch.num_draft_tokens) and len(batch) == 2), batch)[0]
+    schedule, prompts_alone = engine.scheduler.schedule, []
+
+    def scheduling():  # whether each step's batch is two prompts, nothing decoding
+        batch = schedule()
+        prompts_alone.append(not any(batch.num_draft_tokens) and len(batch) == 2)
+        return batch
+    engine.scheduler.schedule = scheduling
     outs = llm.generate([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]],
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert prompts_alone[0] and asked[0] == 4  # two prompts prefilled (8 tokens), two waiting
