@@ -64,10 +64,16 @@ held the policy at 0.91x k = 0; now 1.01x). A wait is counted again every
 quarter interval, at the batch size then. (A probe that moved its depth's cost by more
 than 3% used to set it back; timings at batch 4 are noisy by more than that,
 the gap seldom grew, and with a draft that never agreed an engine held at k =
-0 ran 0.93x fixed k = 0.) A probe lasts `probe_steps` (3) steps: its first
+0 ran 0.93x fixed k = 0.) A probe lasts `probe_steps` (4) steps: its first
 ones run cold and are not timed, and at a higher k than the one before it
 verifies filler for the drafts the earlier step did not make (engine:
-`Sequence.num_real_drafts`; only real drafts are counted as evidence). A probe
+`Sequence.num_real_drafts`; only real drafts are counted as evidence). Its
+timed steps count as one, the cheapest: a step's time is its cost plus
+whatever else held the core then, and one timed step a probe set a depth's
+cost for hundreds of steps on the noise of one (served at concurrency 2,
+probes put a k = 3 step at batch 2 at 2.8-3.5 ms against k = 2's 1.6, and the
+policy held k = 2); the third step of a probe is also the coldest timed
+(k = 0 after k = 3: 1.09x its cost, less from the fourth on). A probe
 of a lower k only refreshes its cost and comes every second probe time: the
 load factor, moved by the depth in use alone, also carries that depth's own
 drift (longer contexts, other prompts) to the depths below it, and at batch 4
@@ -196,7 +202,7 @@ concurrency 32 at k = 1 held it where k = 2 and 3 ran 3-5% faster. So a
 depth whose cost in a bucket is the start-up's alone is probed as soon as
 the depth in use has run the batch size at hand (up to `early_probes`
 times, for a probe whose timed step fell at another batch size), and its
-first timed step replaces the start-up's estimate: 3 steps per depth and
+first timed probe replaces the start-up's estimate: 4 steps per depth and
 bucket, once in a server's life.
 
 While the policy holds k = 0, nothing is learnt of the drafts until the
@@ -328,7 +334,7 @@ class AdaptivePolicy:
     # ... and a probe whose steps cost more than the depth in use's waits until that extra is at most this
     # share of the time since the last probe (module docstring)
     probe_budget: float = 0.02
-    probe_steps: int = 3
+    probe_steps: int = 4
     # a depth whose cost in a bucket is the start-up's alone is probed at once, up to this many times (module
     # docstring)
     early_probes: int = 3
@@ -380,6 +386,8 @@ class AdaptivePolicy:
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
     _probe_k: int = field(init=False, default=0)
+    # the probe's timed steps so far: (k, bucket, the cheapest one's cost at unit load, its batch size)
+    _probe_timed: tuple | None = field(init=False, default=None)
     _until_probe: int = field(init=False, default=0)
     _probe_turn: int = field(init=False, default=0)
     _probe_scale: int = field(init=False, default=1)  # the probe interval's multiple now (probe_backoff)
@@ -532,13 +540,26 @@ class AdaptivePolicy:
 
     def _record_probe(self, k: int, bucket: int, batch_size: int, seconds: float, cost: _Cost) -> None:
         """A timed step at a depth not in use (a probe): how it compares with the depth in use's recent
-        steps of the same batch size sets this depth's own cost, fast (module docstring)."""
+        steps of the same batch size gives this depth's own cost. A probe's timed steps count as one, the
+        cheapest of them (module docstring), once its last step is in."""
         reference = self._reference.get((bucket, batch_size))
         base = self._costs.get((self._current, bucket))
         if reference is None or reference[1] < self.reference_steps or base is None:
             return  # the depth in use has not run this batch size lately, or only its first, cold steps
-        cost.samples += 1
         unit = seconds / reference[0] * base.seconds  # this depth's cost at unit load
+        pending = self._probe_timed
+        if pending is not None and pending[:2] == (k, bucket) and unit >= pending[2]:
+            unit, batch_size = pending[2:]
+        self._probe_timed = (k, bucket, unit, batch_size)
+        if not self._probe_left:  # (a step recorded outside a probe, or a probe's last)
+            self._end_probe()
+
+    def _end_probe(self) -> None:
+        """A probe's cheapest timed step sets its depth's cost, fast (module docstring)."""
+        k, bucket, unit, batch_size = self._probe_timed
+        self._probe_timed = None
+        cost = self._costs[(k, bucket)]
+        cost.samples += 1
         unit = min(max(unit, cost.seconds / self.outlier_ratio), cost.seconds * self.outlier_ratio)
         # the first step served at this depth replaces the start-up's estimate (module docstring)
         weight = max(self.probe_cost_smoothing, 1.0 / cost.samples) if cost.live else 1.0
@@ -821,6 +842,8 @@ class AdaptivePolicy:
         if self._probe_left:
             self._probe_left -= 1
             return self._probe_k
+        if self._probe_timed is not None:  # (its last step was not timed)
+            self._end_probe()
         scores: list[float | None] | None
         closed = draining is not None and (batch_size > 1 if callable(draining) else len(draining) > 1)
         moved = False  # (an open batch's bucket changed since its last revision)

@@ -242,7 +242,7 @@ def test_unmeasured_depths_are_tried_first():
     assert policy.choose(1) == 2
 
 
-def test_probes_take_three_steps_and_alternate_higher_and_lower_k():
+def test_probes_take_four_steps_and_alternate_higher_and_lower_k():
     def cost(k, b):
         return 1.0 + 0.1 * k
 
@@ -259,7 +259,7 @@ def test_probes_take_three_steps_and_alternate_higher_and_lower_k():
         i = j
     assert runs[0][0] == 1 and {k for k, _ in runs} == {0, 1, 2}
     runs = runs[:-1]  # the last may be cut short by the end of the window
-    assert all(n == 3 for k, n in runs if k != 1)  # the first two steps of a probe run cold (not timed)
+    assert all(n == 4 for k, n in runs if k != 1)  # the first two steps of a probe run cold (not timed)
     assert abs(sum(k == 2 for k, _ in runs) - sum(k == 0 for k, _ in runs)) <= 1  # higher and lower in turn
     assert policy.cost(0, 32) == 1.0  # the nearest measured bucket stands in for an unmeasured one
     # in use between two higher depths and one lower, each is probed in its turn (the higher ones took the odd
@@ -313,7 +313,7 @@ def test_a_probe_is_compared_with_the_depth_in_use_s_recent_steps_of_its_batch_s
     for _ in range(3):
         policy.record_step(0, 3, 0.75)  # the depth in use, at 3 rows: three quarters of its 4-row step
     policy._until_probe = 0
-    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]
+    assert [policy.choose(4) for _ in range(4)] == [1] * 4
     before = policy.cost(1, 4) / policy.cost(0, 4)
     policy.record_step(1, 3, 1.2)  # three steps of k = 0 at 3 rows: not yet a reference
     assert policy.cost(1, 4) / policy.cost(0, 4) == before
@@ -322,15 +322,15 @@ def test_a_probe_is_compared_with_the_depth_in_use_s_recent_steps_of_its_batch_s
         assert policy.choose(4) == 0
     policy.record_step(0, 3, 0.75)  # the fourth
     policy._until_probe = 0
-    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]  # a probe; its third step is timed ...
+    assert [policy.choose(4) for _ in range(4)] == [1] * 4  # a probe; its last step is timed ...
     policy.record_step(1, 3, 1.5)  # ... at 3 rows, twice the depth in use's there: as estimated
     assert policy.cost(1, 4) / policy.cost(0, 4) == pytest.approx(2.0)
     policy._until_probe = 0
-    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]
+    assert [policy.choose(4) for _ in range(4)] == [1] * 4
     policy.record_step(1, 3, 1.2)  # 1.6 times: k = 1 is cheaper than estimated, at every size of the bucket
     assert policy.cost(1, 4) / policy.cost(0, 4) == pytest.approx(1.6)
     policy._until_probe = 0
-    assert [policy.choose(4) for _ in range(3)] == [1, 1, 1]
+    assert [policy.choose(4) for _ in range(4)] == [1] * 4
     before = policy.cost(1, 4)
     policy.record_step(1, 12, 0.5)  # 12 rows: the depth in use has not run them lately, not counted
     assert policy.cost(1, 16) == pytest.approx(2.0) and policy.cost(1, 4) == before
@@ -352,9 +352,19 @@ def test_a_probe_s_step_counts_once_the_two_steps_before_ran_its_depth():
         assert policy.choose(1) == 1
         policy.record_step(1, 1, 50.0)
     assert policy.cost(1, 1) == 2.0
-    assert policy.choose(1) == 1  # third step: timed
-    policy.record_step(1, 1, 3.0)
-    assert policy.cost(1, 1) > 2.0
+    assert policy.choose(1) == 1  # third step: timed, and counted with the fourth's at the probe's end
+    policy.record_step(1, 1, 2.8)
+    assert policy.cost(1, 1) == 2.0
+    assert policy.choose(1) == 1  # fourth and last: the cheaper of the two timed steps counts (as one sample,
+    policy.record_step(1, 1, 2.5)  # the second of this cost: their mean)
+    assert policy.cost(1, 1) == pytest.approx((2.0 + 2.5) / 2)
+    # a probe whose last step was not timed counts at the next choice
+    policy._until_probe = 0
+    assert [policy.choose(1) for _ in range(3)] == [1] * 3
+    policy.record_step(1, 1, 2.0)  # its third step; the fourth is not timed
+    assert policy.choose(1) == 1 and policy.cost(1, 1) == pytest.approx(2.25)
+    policy.choose(1)
+    assert policy.cost(1, 1) == pytest.approx(2.25 + (2.0 - 2.25) / 3)
     with pytest.raises(ValueError, match="probe_steps=2 must be >= cold_steps"):
         AdaptivePolicy(1, probe_steps=2)
     with pytest.raises(ValueError, match="probe_steps=1 must be >= cold_steps"):
@@ -378,21 +388,21 @@ def test_a_fresh_policy_tries_the_deepest_k_before_settling_on_the_prior_s_choic
     assert chosen[:2] == [3, 3] and chosen[2:] == [3] * 18
     # the probe's own steps, the engine's first and coldest, are not timed: the step after them is
     fresh = _seeded(AdaptivePolicy(3, seed=2), lambda k, b: 1.0 + 0.4 * k)
-    for step in range(4):
+    for step in range(5):
         k = fresh.choose(1)
         fresh.record_verify(k, k)
         fresh.record_step(k, 1, 5.0)  # far off the start-up's 2.2 (an outlier moves it as 1.5 times off)
         fresh.end_step()
-        assert k == 3 and (fresh.cost(3, 1) == pytest.approx(2.2)) == (step < 3)
+        assert k == 3 and (fresh.cost(3, 1) == pytest.approx(2.2)) == (step < 4)
     # where a prompt's first drafts wait for its first decode step (which verifies filler), one step more
     deferred = _seeded(AdaptivePolicy(3, seed=2), lambda k, b: 1.0 + 0.4 * k)
     deferred.first_drafts_deferred = True
-    for step in range(5):
+    for step in range(6):
         k = deferred.choose(1)
         deferred.record_verify(k, k)
         deferred.record_step(k, 1, 5.0)
         deferred.end_step()
-        assert k == 3 and (deferred.cost(3, 1) == pytest.approx(2.2)) == (step < 4)
+        assert k == 3 and (deferred.cost(3, 1) == pytest.approx(2.2)) == (step < 5)
     # once drafts have been verified, a policy at k = 0 waits for its probes, however long ago that was
     settled = _seeded(AdaptivePolicy(1, probe_interval=10**6), lambda k, b: 1.0 + k)
     settled.record_verifies([(1, 0)] * 4)
@@ -501,10 +511,10 @@ def test_a_depth_known_only_from_the_start_up_is_probed_at_once_and_its_first_ti
         chosen.append(k)
     # k = 0 runs until its next revision (every 4 steps), having timed 30 rows, then k = 1 and k = 2 are
     # probed once each, and the policy moves to k = 1 (2 tokens for 1.5)
-    assert chosen[:4] == [0] * 4 and chosen[4:7] == [1, 1, 1] and chosen[7:10] == [2, 2, 2], chosen
+    assert chosen[:4] == [0] * 4 and chosen[4:8] == [1] * 4 and chosen[8:12] == [2] * 4, chosen
     assert policy.cost(1, 30) / policy.cost(0, 30) == pytest.approx(1.5)
     assert policy.cost(2, 30) / policy.cost(0, 30) == pytest.approx(2.0)
-    assert set(chosen[10:]) == {1}
+    assert set(chosen[12:]) == {1}
     # a probe whose step is not timed (the batch size moved) is tried again, up to early_probes times in all
     again = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6)
     for k in range(2):
@@ -515,7 +525,7 @@ def test_a_depth_known_only_from_the_start_up_is_probed_at_once_and_its_first_ti
         k = again.choose(30)
         again.record_step(k, 30 if k == 0 else 31, real[k])  # a probe's rows never match k = 0's
         chosen.append(k)
-    assert chosen.count(1) == 3 * again.early_probes and again.cost(1, 30) == pytest.approx(2.0)
+    assert chosen.count(1) == 4 * again.early_probes and again.cost(1, 30) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="early_probes=-1"):
         AdaptivePolicy(1, early_probes=-1)
     with pytest.raises(ValueError, match="reference_steps=0"):
@@ -821,18 +831,18 @@ def test_a_dear_probe_waits_until_the_steps_since_the_last_one_pay_for_it():
 
 
 def test_a_probe_s_wait_is_counted_again_at_the_batch_size_then():
-    """A dear probe's wait, counted at a batch where a k = 1 step costs 2.2 times k = 0's (3 x 1.2 / 0.02: 180
-    steps), held the probes of the batch of 4 after it, where k = 1 costs 1.3 times k = 0 (45 steps). The wait
+    """A dear probe's wait, counted at a batch where a k = 1 step costs 2.2 times k = 0's (4 x 1.2 / 0.02: 240
+    steps), held the probes of the batch of 4 after it, where k = 1 costs 1.3 times k = 0 (60 steps). The wait
     is counted again every quarter interval, at the batch size then."""
     def cost(k, b):
         return 1.0 + ((2.2 if b > 4 else 1.3) - 1.0) * k
 
     policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, seed=2), cost)
-    chosen = _steps(policy, 1400, lambda i: 16 if i < 1000 else 4, cost, lambda k, b: [(1, 0)] * b)
+    chosen = _steps(policy, 1700, lambda i: 16 if i < 1300 else 4, cost, lambda k, b: [(1, 0)] * b)
     starts = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
-    gaps = [b - a for a, b in zip(starts[1:], starts[2:]) if b < 1000]
-    assert len(gaps) >= 3 and min(gaps) >= 180
-    assert min(i for i in starts if i >= 1000) <= 1000 + 45 + 16 / 4
+    gaps = [b - a for a, b in zip(starts[1:], starts[2:]) if b < 1300]
+    assert len(gaps) >= 3 and min(gaps) >= 240
+    assert min(i for i in starts if i >= 1300) <= 1300 + 60 + 16 / 4
 
 
 def test_the_draft_s_pass_over_the_prompts_to_come_is_charged_to_speculating():
