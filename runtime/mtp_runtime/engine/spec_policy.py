@@ -95,7 +95,17 @@ come of c(k, b) at the number b of sequences still running. The choice is
 revised every few steps (`drain_interval`, `drain_budget`), and at once when
 sequences join the batch: a batch's tail of one sequence chose k = 3, and the
 next batch of 16 prefilled at k = 3 (the draft's pass over its prompts, 6 ms
-against 2 ms steps) before its first revision went back to k = 0.
+against 2 ms steps) before its first revision went back to k = 0. The
+estimate runs between two model steps, its code and data cold: 0.4-0.5 ms
+at 4 to 32 sequences on the bench preset (0.1-0.2 warm), so drain_budget,
+not drain_interval, set how often it ran, and it took its 2% of the time
+everywhere, also where one depth led by far (closed batches of 32: k = 0
+ahead of k = 1 by 8-20% at every revision). So a choice stands
+`drain_lead_hold` times longer for every switch margin its best depth leads
+the next by (up to 32 steps), and is made anew when the batch falls to a
+smaller bucket (engine benchmark, adaptive over the best fixed k, medians
+of 9-11 runs side by side: 0.947 -> 0.959 at batch 4, 0.955 -> 0.968 over
+k = 0 at batch 32, 0.969 both ways at 16).
 
 Sequences that have verified little are not all alike, though: prompts differ
 in how well the draft does on them, so a batch that starts with every
@@ -360,6 +370,8 @@ class AdaptivePolicy:
     drain_interval: int = 4  # a closed batch's choice is revised every this many steps, at least
     # ... and no more often than lets its estimate take this share of the steps' time (at most every 32)
     drain_budget: float = 0.02
+    # ... and this many times less often for every switch margin its best depth leads the next by (module docstring)
+    drain_lead_hold: float = 1.0
     spread_window: int = 64  # finished sequences whose acceptance gives a closed batch's spread
     drain_samples: int = 64  # draws of each sequence's steps to finish a closed batch (module docstring)
     # what drafting costs beside the decode steps: the draft's pass over each prompt (module docstring)
@@ -396,6 +408,7 @@ class AdaptivePolicy:
     _recheck: int = field(init=False, default=0)  # the depth left for k = 0, to probe at once (0: none)
     _last_batch: int = field(init=False, default=0)  # the batch size of the last choice
     _drain_wait: int = field(init=False, default=0)
+    _drain_bucket: int = field(init=False, default=0)  # the batch bucket a closed batch's choice was last made at
     _revise_wait: int = field(init=False, default=0)  # steps until an open batch's choice is revised
     _revise_bucket: int = field(init=False, default=0)  # the batch bucket it was last revised for
     _verified: bool = field(init=False, default=False)  # a real draft has been verified (a fresh policy has not)
@@ -444,8 +457,9 @@ class AdaptivePolicy:
             raise ValueError(f"AdaptivePolicy: probe_budget={self.probe_budget} must be > 0")
         if self.outlier_ratio <= 1:
             raise ValueError(f"AdaptivePolicy: outlier_ratio={self.outlier_ratio} must be > 1")
-        if self.drain_budget <= 0:
-            raise ValueError(f"AdaptivePolicy: drain_budget={self.drain_budget} must be > 0")
+        if self.drain_budget <= 0 or self.drain_lead_hold < 0:
+            raise ValueError(f"AdaptivePolicy: drain_budget={self.drain_budget} must be > 0 and drain_lead_hold="
+                             f"{self.drain_lead_hold} >= 0")
         if self.settle_steps < 0:
             raise ValueError(f"AdaptivePolicy: settle_steps={self.settle_steps} must be >= 0")
         if self.cold_steps < 0 or self.probe_steps < self.cold_steps + 1:
@@ -856,7 +870,8 @@ class AdaptivePolicy:
             # since the last choice (a new batch) make it anew: the last batch's tail had chosen k = 3 at
             # one sequence, and the next batch of 16 prefilled at that depth, paying the draft's pass
             # over its prompts, before its first revision fell back to k = 0.
-            if self._drain_wait and not grown:
+            shrunk = batch_bucket(max(1, batch_size)) < self._drain_bucket
+            if self._drain_wait and not grown and not shrunk:
                 self._drain_wait -= 1
                 scores = None
             else:
@@ -865,7 +880,9 @@ class AdaptivePolicy:
                 spent = time.perf_counter() - started
                 step = self.cost(self._current, batch_size) or 0.0
                 budget = math.ceil(spent / (self.drain_budget * step)) if step > 0 else 0
-                self._drain_wait = min(max(self.drain_interval, budget), MAX_DRAIN_INTERVAL) - 1
+                wait = max(self.drain_interval, budget) * self._drain_lead(scores)
+                self._drain_wait = int(min(wait, MAX_DRAIN_INTERVAL)) - 1
+                self._drain_bucket = batch_bucket(max(1, batch_size))
         else:
             self._drain_wait = 0
             # The scores (4 us at batch 1, on a graph-mode step of 0.8 ms) move little from one step to the next:
@@ -943,6 +960,14 @@ class AdaptivePolicy:
             if target is not None:
                 return self._start_probe(target)
         return self._current
+
+    def _drain_lead(self, scores: list[float | None]) -> float:
+        """How many times longer a closed batch's choice may stand: its best depth's lead over the next, in
+        switch margins (module docstring), at least 1."""
+        known = sorted((s for s in scores if s is not None), reverse=True)
+        if len(known) < 2 or known[1] <= 0 or not self.drain_lead_hold:
+            return 1.0
+        return max(1.0, self.drain_lead_hold * (known[0] / known[1] - 1.0) / self.switch_margin)
 
     def _early_probe(self, batch_size: int) -> int | None:
         """A depth whose cost in this bucket is still the start-up's alone, to probe now (module docstring):

@@ -560,7 +560,7 @@ def _closed_batch_policy(**options) -> AdaptivePolicy:
 
 
 def test_a_closed_batch_with_slow_sequences_is_finished_sooner_without_drafts():
-    policy = _closed_batch_policy(drain_interval=1)
+    policy = _closed_batch_policy(drain_interval=1, drain_lead_hold=0)
     assert policy.choose(32) == 1  # per step, k = 1 gives the most tokens per second
     fast, slow = ([20], [20]), ([20], [0])  # draft 1 tried 20 times: always / never accepted
     draining = [(60, *fast)] * 28 + [(60, *slow)] * 4
@@ -579,7 +579,7 @@ def test_a_closed_batch_with_slow_sequences_is_finished_sooner_without_drafts():
 
 
 def test_a_closed_batch_s_choice_is_revised_every_drain_interval_steps():
-    policy = _closed_batch_policy(drain_interval=4)
+    policy = _closed_batch_policy(drain_interval=4, drain_lead_hold=0)
     fast, slow = (60, [20], [20]), (60, [20], [0])
     assert policy.choose(32) == 1
     assert [policy.choose(32, [slow] * 4 + [fast] * 28) for _ in range(2)] == [0, 0]  # revised at the first
@@ -599,7 +599,7 @@ def test_a_closed_batch_s_estimate_takes_a_small_share_of_the_steps_time():
     """Steps of 10 us (far below the estimate's own cost): the choice is revised every 32 steps, not
     every 4; steps of a second leave it at drain_interval."""
     def revisions(scale):
-        policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6, drain_interval=4)
+        policy = AdaptivePolicy(1, prior_weight=1e-9, probe_interval=10**6, drain_interval=4, drain_lead_hold=0)
         for k in (0, 1):
             for b in (1, 2, 4):
                 policy.record_step(k, b, scale * (1.0 + 0.6 * k))
@@ -618,6 +618,34 @@ def test_a_closed_batch_s_estimate_takes_a_small_share_of_the_steps_time():
     assert revisions(1e-5) == 2
     with pytest.raises(ValueError, match="drain_budget"):
         AdaptivePolicy(1, drain_budget=0)
+
+
+def test_a_closed_batch_s_choice_stands_longer_the_wider_its_lead_and_is_revised_when_its_bucket_shrinks():
+    """Closed batches of 32 where k = 0 led the next depth by 8-20%, revised every 4-6 steps (drain_budget):
+    the estimates took ~2% of the steps' time to confirm k = 0. A choice stands drain_lead_hold times longer
+    for every switch margin its lead spans (up to 32 steps), and is made anew when the batch falls to a
+    smaller bucket (its tail, where the depths' costs differ most)."""
+    def revisions(sizes, **options):
+        policy = _closed_batch_policy(drain_interval=4, **options)
+        built = []
+
+        def draining():
+            built.append(policy._last_batch)
+            return [(60, [20], [0])] * policy._last_batch  # drafts never agree: k = 0 leads k = 1 by 60%
+
+        for b in sizes:
+            assert policy.choose(b, draining) == 0
+        return built
+
+    assert revisions([32] * 64) == [32, 32]  # at the first step and after 32
+    assert len(revisions([32] * 64, drain_lead_hold=0)) == 16  # every drain_interval steps
+    # 20 and 9 share the buckets of 32 and 16
+    assert revisions([32] * 10 + [20] * 5 + [16] * 5 + [9] * 5 + [8] * 5) == [32, 16, 8]
+    policy = AdaptivePolicy(2)
+    assert policy._drain_lead([1.0, 1.06, None]) == pytest.approx(2.0)  # 6% ahead: two switch margins
+    assert policy._drain_lead([1.0, 1.01, 0.5]) == 1.0 and policy._drain_lead([1.0, None, None]) == 1.0
+    with pytest.raises(ValueError, match="drain_lead_hold"):
+        AdaptivePolicy(1, drain_lead_hold=-1)
 
 
 def test_a_batch_s_slow_tail_does_not_set_what_the_next_batch_s_sequences_are_expected_to_accept():
@@ -896,7 +924,7 @@ def test_a_request_s_first_decode_step_verifying_filler_is_charged_where_first_d
 
 
 def test_a_closed_batch_charges_the_positions_the_draft_has_not_passed_over_to_k_above_0():
-    policy = _closed_batch_policy(drain_interval=1)
+    policy = _closed_batch_policy(drain_interval=1, drain_lead_hold=0)
     policy.record_draft_pass(1000, 1000 * 0.01)  # k = 1: ~50 s of steps and 20 s of passes, k = 0: 60 s
     seen = [(60, [20], [20], 0)] * 32
     unseen = [(60, [20], [20], 64)] * 32  # prompts to prefill, or keys left out at k = 0
