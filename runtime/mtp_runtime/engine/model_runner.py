@@ -398,9 +398,10 @@ class ModelRunner:
         targets, accepted, drafts = step(plan, self.main_caches, self.step_draft_caches)
         targets = targets.tolist()
         if not k:
-            if self.adaptive:
+            if self.adaptive:  # filler up to K, as `_set_drafts` gives greedy rows (inline: every row, every step)
+                width = self.k
                 for seq, t in zip(seqs, targets):
-                    self._set_drafts(seq, [], None, t[0])
+                    seq.num_real_drafts, seq.draft_token_ids, seq.draft_probs = 0, [t[0]] * width, None
             return targets, [0] * len(seqs)
         accepted = accepted.tolist()
         for seq, row in zip(seqs, drafts.tolist()):
