@@ -74,7 +74,11 @@ cost for hundreds of steps on the noise of one (served at concurrency 2,
 probes put a k = 3 step at batch 2 at 2.8-3.5 ms against k = 2's 1.6, and the
 policy held k = 2); the third step of a probe is also the coldest timed
 (k = 0 after k = 3: 1.09x its cost, less from the fourth on). A probe
-of a lower k only refreshes its cost and comes every second probe time: the
+of a lower k only refreshes its cost and comes every second probe time (of
+its bucket: a bucket's probe times alternate higher and lower on their own,
+as a server's batch rising and falling every few hundred steps had its
+higher probes at the small batches and its lower ones at 32, where k = 3
+was never probed): the
 load factor, moved by the depth in use alone, also carries that depth's own
 drift (longer contexts, other prompts) to the depths below it, and at batch 4
 the policy's k = 1 / k = 0 cost ratio fell to 1.6 where the steps measured
@@ -401,7 +405,7 @@ class AdaptivePolicy:
     # the probe's timed steps so far: (k, bucket, the cheapest one's cost at unit load, its batch size)
     _probe_timed: tuple | None = field(init=False, default=None)
     _until_probe: int = field(init=False, default=0)
-    _probe_turn: int = field(init=False, default=0)
+    _probe_turns: dict[int, int] = field(init=False, default_factory=dict)  # per bucket: probe times so far
     _probe_scale: int = field(init=False, default=1)  # the probe interval's multiple now (probe_backoff)
     _probe_close_call: bool = field(init=False, default=True)  # a probe since the last probe time came close
     _since_probe: int = field(init=False, default=0)  # choices since the last probe time
@@ -935,7 +939,11 @@ class AdaptivePolicy:
             if self._current == 0:
                 return self._start_probe(target)
         if self._until_probe <= 0:
-            turn = self._probe_turn + 1
+            # each bucket takes its own turns: a server whose batch fell to 1 and rose to 32 at every turn of
+            # the benchmark's clients (k = 3 at 1, k = 2 at 8, k = 1 at 16 and 32) had its higher probes fall
+            # at the small batches and its lower ones at 32, where k = 2 and 3 kept the start-up's costs
+            probe_bucket = batch_bucket(max(1, batch_size))
+            turn = self._probe_turns.get(probe_bucket, 0) + 1
             higher = list(range(self._current + 1, self.max_k + 1))
             lower = list(range(self._current))
             # a higher k (its acceptance may have recovered) and a lower k, whose cost is all there is
@@ -956,7 +964,7 @@ class AdaptivePolicy:
             self._probe_scale = 1 if self._probe_close_call else min(2 * self._probe_scale, self.probe_backoff)
             self._probe_close_call = False
             self._until_probe = self._next_probe_gap()
-            self._probe_turn, self._since_probe = turn, 0
+            self._probe_turns[probe_bucket], self._since_probe = turn, 0
             if target is not None:
                 return self._start_probe(target)
         return self._current

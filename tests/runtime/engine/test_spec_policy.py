@@ -271,6 +271,29 @@ def test_probes_take_four_steps_and_alternate_higher_and_lower_k():
     assert chosen[0] == 1 and {1, 0, 2, 3} == set(chosen)
 
 
+def test_each_bucket_takes_its_own_turns_of_higher_and_lower_probes():
+    """A server whose batch fell to 1 and rose to 32 at every turn of the benchmark's clients (k = 3 at 1, k = 2
+    at 8, k = 1 at 16 and 32) had its probe times alternate between the small batches and 32: the higher
+    probes fell at the small batches and the lower ones at 32, where k = 3 was never probed and kept a cost
+    from the ramp's steps, twice k = 1's where it ran 1.6 times, and the policy held k = 1 where k = 3 was 7%
+    faster. Each bucket alternates higher and lower probes on its own."""
+    def cost(k, b):
+        return 1.0 + 0.1 * k
+
+    policy = _seeded(AdaptivePolicy(3, prior_weight=1e-9, probe_interval=10**6, probe_budget=1e9, seed=1), cost)
+    for _ in range(20):
+        policy.record_verify(3, 1)  # p = [1, 0, ...]: k = 1 is best
+    policy._until_probe = 10**6
+    assert [policy.choose(32) for _ in range(4)] == [1] * 4
+    probed = {1: [], 32: []}
+    for turn in range(8):  # probe times at 32 and 1 by turns
+        b = 32 if turn % 2 == 0 else 1
+        policy._until_probe = 0
+        probed[b].append(policy.choose(b))
+        assert [policy.choose(b) for _ in range(3)] == [probed[b][-1]] * 3  # the probe's other steps
+    assert probed[32] == probed[1] == [2, 0, 3, 0]  # (one turn for all: 2, 3, 2, 3 at 32, all zeros at 1)
+
+
 def test_the_first_two_steps_after_one_at_another_depth_are_not_timed():
     """A depth's first steps after a step at another depth run cold (its code and data are not in the
     caches): the engine measured a k = 0 step after a k = 3 step at 1.4x one after a k = 0 step. Timed,
