@@ -73,7 +73,15 @@ whatever else held the core then, and one timed step a probe set a depth's
 cost for hundreds of steps on the noise of one (served at concurrency 2,
 probes put a k = 3 step at batch 2 at 2.8-3.5 ms against k = 2's 1.6, and the
 policy held k = 2); the third step of a probe is also the coldest timed
-(k = 0 after k = 3: 1.09x its cost, less from the fourth on). A probe
+(k = 0 after k = 3: 1.09x its cost, less from the fourth on). It moves its
+depth's cost `probe_cost_smoothing` (0.6) of the way: the costs of the
+depths not in use drift with the depth in use's split of its own steps
+into load and unit cost, which its steps alone cannot tell apart (served at
+concurrency 32: k = 3 and 2 at batch 32 estimated at 3.1 and 2.1 times
+k = 1's step where probes measured 1.26 and 1.44), and at 0.3, with each
+probe's step bounded to outlier_ratio off the estimate, an error of 2.5
+times took about nine probes, longer than a level of the benchmark, where
+the policy held k = 1 and k = 3 was 7-9% faster. A probe
 of a lower k only refreshes its cost and comes every second probe time (of
 its bucket: a bucket's probe times alternate higher and lower on their own,
 as a server's batch rising and falling every few hundred steps had its
@@ -336,7 +344,7 @@ class AdaptivePolicy:
     decay: float = 0.9  # per step; the counts of the last ~1 / (1 - decay) steps dominate
     cost_smoothing: float = 0.05  # weight of a new step time in its (k, bucket) cost at unit load
     load_smoothing: float = 0.3  # weight of a new step time in its bucket's load factor
-    probe_cost_smoothing: float = 0.3  # weight of a step at a depth not in use (a probe) in that depth's cost
+    probe_cost_smoothing: float = 0.6  # weight of a probe (a depth not in use) in that depth's cost (module docstring)
     # steps between probes (jittered +-25%); each costs a few tokens (a step at the probed k, the next
     # one's filler), about 1% of the tokens at this interval
     probe_interval: int = 128

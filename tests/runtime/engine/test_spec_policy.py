@@ -379,15 +379,15 @@ def test_a_probe_s_step_counts_once_the_two_steps_before_ran_its_depth():
     policy.record_step(1, 1, 2.8)
     assert policy.cost(1, 1) == 2.0
     assert policy.choose(1) == 1  # fourth and last: the cheaper of the two timed steps counts (as one sample,
-    policy.record_step(1, 1, 2.5)  # the second of this cost: their mean)
-    assert policy.cost(1, 1) == pytest.approx((2.0 + 2.5) / 2)
+    policy.record_step(1, 1, 2.5)  # probe_cost_smoothing of the way)
+    assert policy.cost(1, 1) == pytest.approx(2.0 + 0.6 * (2.5 - 2.0))
     # a probe whose last step was not timed counts at the next choice
     policy._until_probe = 0
     assert [policy.choose(1) for _ in range(3)] == [1] * 3
     policy.record_step(1, 1, 2.0)  # its third step; the fourth is not timed
-    assert policy.choose(1) == 1 and policy.cost(1, 1) == pytest.approx(2.25)
+    assert policy.choose(1) == 1 and policy.cost(1, 1) == pytest.approx(2.3)
     policy.choose(1)
-    assert policy.cost(1, 1) == pytest.approx(2.25 + (2.0 - 2.25) / 3)
+    assert policy.cost(1, 1) == pytest.approx(2.3 + 0.6 * (2.0 - 2.3))
     with pytest.raises(ValueError, match="probe_steps=2 must be >= cold_steps"):
         AdaptivePolicy(1, probe_steps=2)
     with pytest.raises(ValueError, match="probe_steps=1 must be >= cold_steps"):
@@ -788,7 +788,7 @@ def test_a_probe_whose_depth_comes_close_keeps_the_probes_coming_and_noisy_timin
     never = run(0)[300:]  # a draft that never agrees: k = 1 at 1 / 2.1 of k = 0
     assert never.count(4) > 200  # probes every ~64 steps
     close = run(1)[300:]  # every draft agrees: k = 1 at 2 / 2.1 = 0.95 of k = 0, close each time
-    assert close.count(1) > 250 and 4 not in close
+    assert close.count(1) > 200 and max(close) <= 2  # (+-15% noise puts it past probe_close now and then)
     with pytest.raises(ValueError, match="probe_close"):
         AdaptivePolicy(1, probe_close=1.0)
 
@@ -968,7 +968,7 @@ def test_one_step_far_off_its_estimate_moves_it_as_one_1_5_times_off():
     assert policy.cost(0, 4) == pytest.approx(load * (1.0 + 0.5 * (1.5 / load - 1.0)))  # unzipped: 6.85
     policy._recent_k.extend([1, 1, 1])
     policy.record_step(1, 4, 0.01)  # a probe's step, far too fast: counted as 2.0 x load / 1.5
-    assert policy._costs[(1, 4)].seconds == pytest.approx(2.0 + 0.5 * (2.0 / 1.5 - 2.0))
+    assert policy._costs[(1, 4)].seconds == pytest.approx(2.0 + 0.6 * (2.0 / 1.5 - 2.0))
 
 
 def test_the_start_up_seeds_each_cost_with_the_median_of_its_timings():
