@@ -115,9 +115,9 @@ everywhere, also where one depth led by far (closed batches of 32: k = 0
 ahead of k = 1 by 8-20% at every revision). So a choice stands
 `drain_lead_hold` times longer for every switch margin its best depth leads
 the next by (up to 32 steps), and is made anew when the batch falls to a
-smaller bucket (engine benchmark, adaptive over the best fixed k, medians
-of 9-11 runs side by side: 0.947 -> 0.959 at batch 4, 0.955 -> 0.968 over
-k = 0 at batch 32, 0.969 both ways at 16).
+smaller bucket (three engines side by side, medians of 9-11 rounds:
+adaptive over fixed k = 1, the best, 0.947 -> 0.959 at batch 4; over
+k = 0 0.955 -> 0.968 at batch 32, 0.969 both ways at 16).
 
 Sequences that have verified little are not all alike, though: prompts differ
 in how well the draft does on them, so a batch that starts with every
@@ -574,7 +574,9 @@ class AdaptivePolicy:
             return  # the depth in use has not run this batch size lately, or only its first, cold steps
         unit = seconds / reference[0] * base.seconds  # this depth's cost at unit load
         pending = self._probe_timed
-        if pending is not None and pending[:2] == (k, bucket) and unit >= pending[2]:
+        if pending is not None and pending[:2] != (k, bucket):
+            self._end_probe()  # (its timed steps fell in two buckets: each counts in its own)
+        elif pending is not None and unit >= pending[2]:
             unit, batch_size = pending[2:]
         self._probe_timed = (k, bucket, unit, batch_size)
         if not self._probe_left:  # (a step recorded outside a probe, or a probe's last)
@@ -949,7 +951,7 @@ class AdaptivePolicy:
         if self._until_probe <= 0:
             # each bucket takes its own turns: a server whose batch fell to 1 and rose to 32 at every turn of
             # the benchmark's clients (k = 3 at 1, k = 2 at 8, k = 1 at 16 and 32) had its higher probes fall
-            # at the small batches and its lower ones at 32, where k = 2 and 3 kept the start-up's costs
+            # at the small batches and its lower ones at 32, where k = 3 was never probed
             probe_bucket = batch_bucket(max(1, batch_size))
             turn = self._probe_turns.get(probe_bucket, 0) + 1
             higher = list(range(self._current + 1, self.max_k + 1))

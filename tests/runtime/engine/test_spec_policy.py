@@ -394,6 +394,18 @@ def test_a_probe_s_step_counts_once_the_two_steps_before_ran_its_depth():
         AdaptivePolicy(1, probe_steps=1, cold_steps=1)
 
 
+def test_a_probe_whose_timed_steps_fall_in_two_buckets_counts_in_each():
+    policy = _seeded(AdaptivePolicy(1, probe_interval=10**6, probe_budget=1e9, reference_steps=1,
+                                    probe_cost_smoothing=1.0), lambda k, b: 1.0 + k)
+    policy.record_verifies([(1, 0)] * 4)  # k = 0 in use
+    policy._until_probe = 0
+    assert [policy.choose(4) for _ in range(3)] == [1] * 3
+    policy.record_step(1, 4, 1.5)  # its third step, at 4 rows
+    assert policy.choose(16) == 1
+    policy.record_step(1, 16, 2.5)  # its fourth, at 16
+    assert policy.cost(1, 4) == pytest.approx(1.5) and policy.cost(1, 16) == pytest.approx(2.5)
+
+
 def test_a_fresh_policy_tries_the_deepest_k_before_settling_on_the_prior_s_choice():
     """With no verify seen, the prior (p = 0.5) values speculation at little and k = 0 would learn nothing
     until the first probe, up to 160 steps in; a fresh policy probes the deepest k at once, and stays
