@@ -873,19 +873,20 @@ class AdaptivePolicy:
         if self._probe_timed is not None:  # (its last step was not timed)
             self._end_probe()
         scores: list[float | None] | None
+        bucket = batch_bucket(max(1, batch_size))
         closed = draining is not None and (batch_size > 1 if callable(draining) else len(draining) > 1)
         moved = False  # (an open batch's bucket changed since its last revision)
         grown, self._last_batch = batch_size > self._last_batch, batch_size
         if closed and grown:  # its prompts were just prefilled: its first steps run cold (module docstring)
             self._untimed = max(self._untimed, self.settle_steps)
         if closed:
-            # A drain's outlook changes slowly, and its estimate costs 0.1-0.2 ms: next to a 1 ms step
-            # (batch 4 at k = 0) it was 4% of the run when made every fourth step. Sequences admitted
-            # since the last choice (a new batch) make it anew: the last batch's tail had chosen k = 3 at
-            # one sequence, and the next batch of 16 prefilled at that depth, paying the draft's pass
-            # over its prompts, before its first revision fell back to k = 0.
-            shrunk = batch_bucket(max(1, batch_size)) < self._drain_bucket
-            if self._drain_wait and not grown and not shrunk:
+            # A drain's outlook changes slowly, and its estimate costs 0.1-0.2 ms (0.4-0.5 cold, between model
+            # steps): next to a 1 ms step (batch 4 at k = 0) it was 4% of the run when made every fourth step.
+            # Sequences admitted since the last choice (a new batch) make it anew: the last batch's tail had
+            # chosen k = 3 at one sequence, and the next batch of 16 prefilled at that depth, paying the
+            # draft's pass over its prompts, before its first revision fell back to k = 0. So does a fall to a
+            # smaller bucket.
+            if self._drain_wait and not grown and bucket >= self._drain_bucket:
                 self._drain_wait -= 1
                 scores = None
             else:
@@ -896,12 +897,11 @@ class AdaptivePolicy:
                 budget = math.ceil(spent / (self.drain_budget * step)) if step > 0 else 0
                 wait = max(self.drain_interval, budget) * self._drain_lead(scores)
                 self._drain_wait = int(min(wait, MAX_DRAIN_INTERVAL)) - 1
-                self._drain_bucket = batch_bucket(max(1, batch_size))
+                self._drain_bucket = bucket
         else:
             self._drain_wait = 0
             # The scores (4 us at batch 1, on a graph-mode step of 0.8 ms) move little from one step to the next:
             # revised every few steps, at once in another bucket or after a probe (its evidence)
-            bucket = batch_bucket(max(1, batch_size))
             moved = bucket != self._revise_bucket
             if self._revise_wait and not moved:
                 self._revise_wait -= 1
@@ -952,8 +952,7 @@ class AdaptivePolicy:
             # each bucket takes its own turns: a server whose batch fell to 1 and rose to 32 at every turn of
             # the benchmark's clients (k = 3 at 1, k = 2 at 8, k = 1 at 16 and 32) had its higher probes fall
             # at the small batches and its lower ones at 32, where k = 3 was never probed
-            probe_bucket = batch_bucket(max(1, batch_size))
-            turn = self._probe_turns.get(probe_bucket, 0) + 1
+            turn = self._probe_turns.get(bucket, 0) + 1
             higher = list(range(self._current + 1, self.max_k + 1))
             lower = list(range(self._current))
             # a higher k (its acceptance may have recovered) and a lower k, whose cost is all there is
@@ -974,7 +973,7 @@ class AdaptivePolicy:
             self._probe_scale = 1 if self._probe_close_call else min(2 * self._probe_scale, self.probe_backoff)
             self._probe_close_call = False
             self._until_probe = self._next_probe_gap()
-            self._probe_turns[probe_bucket], self._since_probe = turn, 0
+            self._probe_turns[bucket], self._since_probe = turn, 0
             if target is not None:
                 return self._start_probe(target)
         return self._current
