@@ -723,6 +723,21 @@ def test_a_closed_batch_of_new_sequences_drains_with_the_spread_its_predecessors
         AdaptivePolicy(1, spread_window=-1)
 
 
+def test_the_spread_window_stays_sorted_as_finished_sequences_come_and_go():
+    """A drain reads the finished sequences' ratios sorted at each depth; they are kept sorted as
+    sequences finish, the oldest leaving the window: always the window's own ratios, sorted."""
+    policy = AdaptivePolicy(3, spread_window=16)
+    rng = random.Random(5)
+    for i in range(40):
+        tried = [rng.randint(1, 30) for _ in range(3)]
+        policy.record_finished(tried, [rng.randint(0, t) for t in tried])
+        assert len(policy._spread) == min(i + 1, 16)
+        for k in range(4):
+            assert policy._spread_sorted[k] == sorted(r[k] for r in policy._spread)
+    policy.record_finished([], [])  # nothing verified: the window does not move
+    assert all(len(column) == 16 for column in policy._spread_sorted)
+
+
 def test_sequences_alike_still_finish_apart_at_k_above_0():
     """Four sequences with the same acceptance: at k = 1 the steps each needs vary (a step gains 1 or
     2 tokens), so the batch ends on a tail of steps with fewer sequences, which the drain charges;
