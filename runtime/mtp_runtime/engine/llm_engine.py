@@ -272,6 +272,21 @@ class LLMEngine:
         gap = seq.num_cached_tokens - seq.draft_keys_from if seq.draft_keys_from is not None else 0
         return gap + max(0, seq.num_uncached_tokens - 1)
 
+    def _drain_record(self, seq: Sequence) -> tuple:
+        """What a closed batch's drain needs of `seq` (AdaptivePolicy.drain_scores): its decode steps'
+        tokens left (a prompt still prefilling makes its first token in its prompt step, whatever k),
+        its verifies, the positions the draft has not passed over, and its steps to come that gain one
+        token whatever k: the verify of filler, where its drafts are filler (after a step at k = 0) or
+        will be (a greedy prompt's first drafts wait for its first one-call decode step in graph mode,
+        ModelRunner._defers_first_drafts)."""
+        left = seq.max_output_tokens - seq.num_output_tokens
+        if seq.num_uncached_tokens > 1 or not seq.num_output_tokens:  # prefilling (a decoding one holds 1)
+            left -= 1
+            filler = int(bool(self.runner.decode_steps) and seq.params.greedy)
+        else:
+            filler = int(not seq.num_real_drafts)
+        return left, seq.tried_per_position, seq.accepted_per_position, self._unseen_positions(seq), filler
+
     def _choose_depth(self, batch: ScheduledBatch) -> list[bool]:
         """Ask the policy for this step's k and cut every verifying sequence's drafts to it; returns
         which rows decode (they verified drafts before the cut)."""
@@ -285,8 +300,7 @@ class LLMEngine:
             running = self.scheduler.running
 
             def draining():  # built only on the steps the policy revises a drain's choice
-                return [(seq.max_output_tokens - seq.num_output_tokens, seq.tried_per_position,
-                         seq.accepted_per_position, self._unseen_positions(seq)) for seq in running]
+                return [self._drain_record(seq) for seq in running]
         size = sum(batch.samples)
         if not any(decoding):
             # Prompts alone: their k decides only whether the draft passes over them now, for the steps

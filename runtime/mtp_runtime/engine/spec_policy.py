@@ -117,7 +117,13 @@ ahead of k = 1 by 8-20% at every revision). So a choice stands
 the next by (up to 32 steps), and is made anew when the batch falls to a
 smaller bucket (three engines side by side, medians of 9-11 rounds:
 adaptive over fixed k = 1, the best, 0.947 -> 0.959 at batch 4; over
-k = 0 0.955 -> 0.968 at batch 32, 0.969 both ways at 16).
+k = 0 0.955 -> 0.968 at batch 32, 0.969 both ways at 16). Its budget was 2%
+then; at batch 4, where every depth's speed was within 4% of the best
+(fixed k = 1), an adaptive engine held at k = 1 spent 59 us a step in
+`choose` (a 2.2-2.4 ms step), against 25 us at 0.5%, and the mid-batch
+revisions the 2% bought did not show in the side by side (0.951 and 0.956
+of fixed k = 1, 24 rounds), so the budget is 0.5%: between the revisions at
+a batch's start and at each smaller bucket, at most one every 32 steps.
 
 Sequences that have verified little are not all alike, though: prompts differ
 in how well the draft does on them, so a batch that starts with every
@@ -165,7 +171,15 @@ step (ModelRunner._defers_first_drafts: drafting them beside the prompt cost
 1.6-2.9 ms of eager draft steps at k = 1-3, bench preset), whose verify of
 filler gains one token: a request of m decode tokens then takes 1 + (m - 1) / E
 steps, and the policy counts E / (1 + (E - 1) / m) tokens a step at each depth
-(`first_drafts_deferred`, m from the finished requests).
+(`first_drafts_deferred`, m from the finished requests). A closed batch's
+drain counts each sequence's such step apart: the engine tells, per
+sequence, whether its next decode step verifies filler (its first drafts
+deferred, or its drafts filler after a step at k = 0, so that a switch up
+from k = 0 pays one step of one token per sequence), and its decode steps'
+tokens left (a prompt's own step makes its first token at any k). Left out,
+at the start of a closed batch of 4 at k = 3 the drain put its four
+sequences' finishes at 16.9-19.7 steps where fixed k = 3's came at 17.1,
+18.0, 19.5 and 22.9.
 
 A step costs more than its model call: the host schedules it, updates the
 sequences, builds the outputs, and the caller hands them on (a server's
@@ -382,7 +396,7 @@ class AdaptivePolicy:
     long_decay: float = 0.995  # per step, for the long-run acceptance a closed batch's sequences start from
     drain_interval: int = 4  # a closed batch's choice is revised every this many steps, at least
     # ... and no more often than lets its estimate take this share of the steps' time (at most every 32)
-    drain_budget: float = 0.02
+    drain_budget: float = 0.005
     # ... and this many times less often for every switch margin its best depth leads the next by (module docstring)
     drain_lead_hold: float = 1.0
     spread_window: int = 64  # finished sequences whose acceptance gives a closed batch's spread
@@ -830,11 +844,16 @@ class AdaptivePolicy:
     def drain_scores(self, draining) -> list[float | None]:
         """For a closed batch (module docstring): tokens per second until every running sequence is done,
         at each depth held from now on (None: no cost measured yet). `draining`: (tokens left, tried
-        per position, accepted per position[, positions the draft has not passed over]) of every
-        running sequence; at k > 0 the draft's pass over those positions is charged (module docstring)."""
+        per position, accepted per position[, positions the draft has not passed over[, steps to
+        come that gain one token whatever k]]) of every running sequence (tokens left: those of
+        its decode steps); at k > 0 the draft's pass over those positions is charged, and a
+        sequence's one-token steps (a step that verifies filler: module docstring) come before
+        its steps at E_i[k]."""
         p = self.long_run_acceptance()
         e = np.array(self._spread_tokens(draining, p)).T  # [k, sequence]: E_i[k]
         left = np.array([max(0, r) for r, *_ in draining], dtype=float)
+        single = np.array([min(d[4], max(0, d[0])) if len(d) > 4 else 0 for d in draining], dtype=float)
+        drafted = left - single  # the tokens of steps at E_i[k]
         n = len(left)
         buckets = [1 << (b - 1).bit_length() for b in range(1, n + 1)]  # batch_bucket of each
         table = {b: self.step_costs(b) for b in set(buckets)}  # each bucket's costs looked up once
@@ -852,7 +871,7 @@ class AdaptivePolicy:
         np.cumsum(q, axis=0, out=gained[1:])
         np.cumsum(q * self._odd[:, None], axis=0, out=square[1:])
         e, var = e[measured], np.maximum(square - gained * gained, 0.0)[measured]  # [k, sequence]
-        draws = (left / e)[:, None, :] + np.sqrt(left * var / (e * e * e))[:, None, :] * noise  # [k, sample, seq]
+        draws = (single + drafted / e)[:, None, :] + np.sqrt(drafted * var / (e * e * e))[:, None, :] * noise
         np.maximum(draws, 0.0, out=draws)
         draws.sort(axis=2)
         finish = draws.mean(axis=1)  # [k, m]: the m-th finish, m = 0..n-1

@@ -160,8 +160,8 @@ def test_generate_tells_adaptive_depth_when_its_batch_is_closed(tiny_models):
 
     def recording(batch_size, draining=None):  # every step verifies one draft, so sequences have a record
         # (the engine hands a function that reads the running sequences' records when called)
-        calls.append((len(engine.scheduler.waiting), draining and [(left, list(tried), list(hit), unseen)
-                                                                   for left, tried, hit, unseen in draining()]))
+        calls.append((len(engine.scheduler.waiting), draining and [(left, list(tried), list(hit), unseen, filler)
+                                                                   for left, tried, hit, unseen, filler in draining()]))
         return 1
     engine.policy.choose = recording
     outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12], [13]], SamplingParams(temperature=0, max_tokens=10,
@@ -171,10 +171,12 @@ def test_generate_tells_adaptive_depth_when_its_batch_is_closed(tiny_models):
     closed = [d for waiting, d in calls if not waiting]
     assert closed and all(d is not None and 1 <= len(d) <= 2 for d in closed)
     assert all(0 <= left <= 10 and len(tried) == len(hit) and all(h <= t for h, t in zip(hit, tried))
-               for d in closed for left, tried, hit, _ in d)
-    assert any(sum(tried) > 0 for d in closed for _, tried, _, _ in d)  # verifies so far are counted
+               for d in closed for left, tried, hit, *_ in d)
+    assert any(sum(tried) > 0 for d in closed for _, tried, *_ in d)  # verifies so far are counted
     # every step drafts (k = 1): no key is left out, and a prompt (3 tokens at most) is drafted whole
-    assert all(0 <= unseen <= 2 for d in closed for *_, unseen in d)
+    assert all(0 <= unseen <= 2 for d in closed for *_, unseen, _ in d)
+    # eager: a prompt's first drafts come with it, and every step after drafts: no filler to verify
+    assert all(filler == 0 for d in closed for *_, filler in d)
     assert [len(o.token_ids) for o in outs] == [10] * 4
     calls.clear()
     engine.add_request("direct", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
@@ -269,3 +271,30 @@ def test_a_sequence_counts_the_verifies_that_reached_each_draft():
     seq.record_verify(3, 0)
     assert seq.tried_per_position == [3, 2, 0]
     assert seq.accepted_per_position == [2, 1, 0]
+
+
+def test_a_closed_batch_s_record_of_a_sequence_counts_its_steps_that_verify_filler():
+    """A step that verifies filler gains one token whatever k (engine/spec_policy.py): the drain is told
+    of the one to come where a sequence's drafts are filler (after a step at k = 0), or will be (a
+    greedy prompt whose first drafts wait for its first one-call decode step); a prompt's own step
+    makes its first token, so its tokens left are those of its decode steps."""
+    from types import SimpleNamespace
+
+    from mtp_runtime.engine.llm_engine import LLMEngine
+    from mtp_runtime.engine.sequence import Sequence
+
+    def record(seq, graph: bool):
+        engine = SimpleNamespace(runner=SimpleNamespace(decode_steps={0: None, 2: None} if graph else {}),
+                                 _unseen_positions=LLMEngine._unseen_positions)
+        return LLMEngine._drain_record(engine, seq)
+
+    seq = Sequence("r", list(range(10)), SamplingParams(temperature=0, max_tokens=8), 64)
+    assert record(seq, graph=True) == (7, [], [], 9, 1)  # graph mode: its first drafts wait
+    assert record(seq, graph=False)[0::4] == (7, 0)  # eager: they come with its prompt's step
+    sampled = Sequence("s", list(range(10)), SamplingParams(temperature=0.8, max_tokens=8), 64)
+    assert record(sampled, graph=True)[4] == 0  # (sampled prompts draft beside their prompt)
+    seq.num_cached_tokens = 10
+    seq.token_ids.append(42)  # decoding, its drafts filler (a step at k = 0)
+    assert record(seq, graph=True)[0::4] == (7, 1)
+    seq.num_real_drafts = 2  # real drafts from a step at k = 2
+    assert record(seq, graph=True)[0::4] == (7, 0)

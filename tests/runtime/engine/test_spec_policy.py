@@ -594,6 +594,27 @@ def _closed_batch_policy(**options) -> AdaptivePolicy:
     return policy
 
 
+def test_a_closed_batch_counts_the_steps_that_verify_filler_at_one_token():
+    """A sequence whose drafts are filler (after a step at k = 0, or a greedy prompt whose first
+    drafts wait for its first one-call step) gains one token in its next step whatever k: the drain
+    counts that step apart (bench preset, batch 4: without it the model put k = 3's four finishes at
+    16.9-19.7 steps where fixed k = 3's ran 17.1-22.9, one of them the filler's)."""
+    policy = _closed_batch_policy(drain_interval=1, drain_lead_hold=0)
+    ready = ([20], [20])  # draft 1 always accepted: E[1] = 2
+    # 3 tokens left each: k = 0 takes 3 steps; k = 1 with real drafts 1.5 steps at 1.6x the cost (2.4),
+    # with filler first 1 + 2 / 2 = 2 steps (3.2)
+    at_k0, at_k1 = policy.drain_scores([(3, *ready, 0, 0)] * 32)
+    assert at_k1 > at_k0
+    after_k0 = [(3, *ready, 0, 1)] * 32
+    filler_k0, filler_k1 = policy.drain_scores(after_k0)
+    assert filler_k0 == pytest.approx(at_k0) and filler_k1 < filler_k0
+    assert filler_k1 == pytest.approx(at_k1 * 1.5 / 2, rel=0.02)
+    assert policy.drain_scores([(3, *ready)] * 32) == pytest.approx([at_k0, at_k1])  # (no 5th field: none)
+    assert policy.choose(32, after_k0) == 0
+    # a sequence with one token left and filler: one step at any k
+    assert policy.drain_scores([(1, *ready, 0, 1)] * 32)[1] == pytest.approx(32 / policy.step_costs(32)[1])
+
+
 def test_a_closed_batch_with_slow_sequences_is_finished_sooner_without_drafts():
     policy = _closed_batch_policy(drain_interval=1, drain_lead_hold=0)
     assert policy.choose(32) == 1  # per step, k = 1 gives the most tokens per second
