@@ -852,10 +852,10 @@ class AdaptivePolicy:
         p = self.long_run_acceptance()
         e = np.array(self._spread_tokens(draining, p)).T  # [k, sequence]: E_i[k]
         left = np.array([max(0, r) for r, *_ in draining], dtype=float)
-        single = np.array([min(d[4], max(0, d[0])) if len(d) > 4 else 0 for d in draining], dtype=float)
+        single = np.minimum([d[4] if len(d) > 4 else 0 for d in draining], left)  # (at most its tokens left)
         drafted = left - single  # the tokens of steps at E_i[k]
         n = len(left)
-        buckets = [1 << (b - 1).bit_length() for b in range(1, n + 1)]  # batch_bucket of each
+        buckets = [batch_bucket(b) for b in range(1, n + 1)]
         table = {b: self.step_costs(b) for b in set(buckets)}  # each bucket's costs looked up once
         measured = [k for k in range(self.max_k + 1) if all(table[b][k] is not None for b in buckets)]
         out: list[float | None] = [None] * (self.max_k + 1)
