@@ -64,7 +64,7 @@ held the policy at 0.91x k = 0; now 1.01x). A wait is counted again every
 quarter interval, at the batch size then. (A probe that moved its depth's cost by more
 than 3% used to set it back; timings at batch 4 are noisy by more than that,
 the gap seldom grew, and with a draft that never agreed an engine held at k =
-0 ran 0.93x fixed k = 0.) A probe lasts `probe_steps` (4) steps: its first
+0 ran 0.93x fixed k = 0.) A probe lasts `probe_steps` (6) steps: its first
 ones run cold and are not timed, and at a higher k than the one before it
 verifies filler for the drafts the earlier step did not make (engine:
 `Sequence.num_real_drafts`; only real drafts are counted as evidence). Its
@@ -73,7 +73,13 @@ whatever else held the core then, and one timed step a probe set a depth's
 cost for hundreds of steps on the noise of one (served at concurrency 2,
 probes put a k = 3 step at batch 2 at 2.8-3.5 ms against k = 2's 1.6, and the
 policy held k = 2); the third step of a probe is also the coldest timed
-(k = 0 after k = 3: 1.09x its cost, less from the fourth on). It moves its
+(k = 0 after k = 3: 1.09x its cost, less from the fourth on). With 4 steps,
+two of them timed, the cheapest still ran warm-up slow: closed batches of 4,
+where fixed k = 1 was best and its steps took 1.26 ms with the host's time,
+had the drain's table put k = 1 at 1.28-1.53 ms from its probes out of k =
+2 and 3, and the policy held those (mean k 2.1-2.4, 0.931-0.944 of fixed
+k = 1); with 6 steps, four timed, mean k 1.2-1.7 and 0.952-0.963 (medians
+of 25 rounds, four runs; batch 1, 16 and 32 alike within 0.3%). It moves its
 depth's cost `probe_cost_smoothing` (0.6) of the way: the costs of the
 depths not in use drift with the depth in use's split of its own steps
 into load and unit cost, which its steps alone cannot tell apart (served at
@@ -132,10 +138,18 @@ sequence at the long-run estimate still ends with a tail of its slowest ones
 with fewer than 4 sequences, at k = 0 none, which turned a tie in decoding
 speed into a 10% loss). So the policy keeps, for the last `spread_window`
 finished sequences, how far each one's expected tokens at each depth were
-from the long-run estimate (`record_finished`), and gives the running
-sequences, ranked by their own estimates, the quantiles of those ratios,
-each in proportion to how little evidence of its own it has. At k = 0 every
-ratio is 1 and the batch finishes together, as it does.
+from the long-run estimate (`record_finished`; shrunk by `spread_prior_weight`
+(1) verifies, not 4: a finished sequence's ratio at a depth it seldom ran
+was mostly the prior's, and the spread too narrow), and in each of the
+drain's draws (below) gives the running sequences, ranked by their own
+estimates, the ratios of finished sequences drawn at random, sorted, each
+in proportion to how little evidence of its own it has. (It gave them the
+ratios' quantiles once, at (rank + 1/2) / n: closed batches of 4 at fixed
+k = 3 had their last sequence finish at step 22.8 on average, the drain's
+estimate at a batch's start 20.5, now 22.1; at k = 2 26.1, 25.5, now 26.1:
+the slowest of n draws is further out than its quantile, and a step count,
+R / E, is convex in E.) At k = 0 every ratio is 1 and the batch finishes
+together, as it does.
 
 Even sequences alike finish apart: a step at depth k gains 1 to k + 1 tokens
 per sequence, so the steps a sequence needs for its R tokens vary, with
@@ -371,7 +385,7 @@ class AdaptivePolicy:
     # ... and a probe whose steps cost more than the depth in use's waits until that extra is at most this
     # share of the time since the last probe (module docstring)
     probe_budget: float = 0.02
-    probe_steps: int = 4
+    probe_steps: int = 6  # (module docstring: its timed steps count as one, the cheapest)
     # a depth whose cost in a bucket is the start-up's alone is probed at once, up to this many times (module
     # docstring)
     early_probes: int = 3
@@ -393,6 +407,8 @@ class AdaptivePolicy:
     hold_weight: float = 1.0
     # a sequence's own verifies that weigh as much as the policy's estimate in its acceptance (closed batches)
     sequence_prior_weight: float = 4.0
+    # ... and in a finished sequence's ratios, which give the spread (module docstring)
+    spread_prior_weight: float = 1.0
     long_decay: float = 0.995  # per step, for the long-run acceptance a closed batch's sequences start from
     drain_interval: int = 4  # a closed batch's choice is revised every this many steps, at least
     # ... and no more often than lets its estimate take this share of the steps' time (at most every 32)
@@ -446,10 +462,9 @@ class AdaptivePolicy:
     _rng: random.Random = field(init=False)
     # per finished sequence, its E[k] over the long-run estimate's, k = 0..max_k (`record_finished`)
     _spread: deque = field(init=False)
-    # ... and the same ratios at each depth, kept sorted as sequences finish (a drain's revision read them
-    # sorted: 3 sorts of 64 ratios, a third of its estimate at 4 sequences)
-    _spread_sorted: list = field(init=False)
-    _drain_noise: dict = field(init=False, default_factory=dict)  # batch size -> [drain_samples, n] N(0, 1)
+    _spread_array: np.ndarray | None = field(init=False, default=None)  # the same as [window, k], made on use
+    # batch size -> the drain's draws: [drain_samples, n] N(0, 1) and U[0, 1) (which finished sequences)
+    _drain_noise: dict = field(init=False, default_factory=dict)
     _odd: np.ndarray = field(init=False)  # 2j - 1 for j = 1..max_k
     _pass_positions: float = field(init=False, default=0.0)  # decayed sums over the draft's passes
     _pass_seconds: float = field(init=False, default=0.0)
@@ -475,8 +490,9 @@ class AdaptivePolicy:
                              f"{self.reference_steps} >= 1")
         if self.hold_weight < 0:
             raise ValueError(f"AdaptivePolicy: hold_weight={self.hold_weight} must be >= 0")
-        if self.sequence_prior_weight <= 0:
-            raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} must be > 0")
+        if self.sequence_prior_weight <= 0 or self.spread_prior_weight <= 0:
+            raise ValueError(f"AdaptivePolicy: sequence_prior_weight={self.sequence_prior_weight} and "
+                             f"spread_prior_weight={self.spread_prior_weight} must be > 0")
         if min(self.probe_interval, self.drain_interval, self.probe_backoff, self.revise_interval,
                self.recheck_steps) < 1:
             raise ValueError("AdaptivePolicy: probe_interval, drain_interval, probe_backoff, revise_interval and "
@@ -511,7 +527,6 @@ class AdaptivePolicy:
         self._rng = random.Random(self.seed)
         self._until_probe = self._next_probe_gap()
         self._spread = deque(maxlen=self.spread_window)
-        self._spread_sorted = [[] for _ in range(self.max_k + 1)]
         self._odd = 2.0 * np.arange(1, self.max_k + 1) - 1.0
 
     # evidence ------------------------------------------------------------------
@@ -790,12 +805,12 @@ class AdaptivePolicy:
                 for k, (e, c) in enumerate(zip(expected, costs))]
 
     def sequence_expected_tokens(self, tried: list[int], accepted: list[int],
-                                 acceptance: list[float] | None = None) -> list[float]:
+                                 acceptance: list[float] | None = None, weight: float | None = None) -> list[float]:
         """E[k] for k = 0..max_k of one sequence whose draft j was tried tried[j-1] times and accepted
         accepted[j-1] times (Sequence.tried_per_position / accepted_per_position): its own rates,
-        shrunk towards `acceptance` (default: `long_run_acceptance()`) by `sequence_prior_weight`
-        verifies."""
-        w = self.sequence_prior_weight
+        shrunk towards `acceptance` (default: `long_run_acceptance()`) by `weight` verifies (default:
+        `sequence_prior_weight`)."""
+        w = self.sequence_prior_weight if weight is None else weight
         out, total, run = [1.0], 1.0, 1.0
         for j, p in enumerate(self.long_run_acceptance() if acceptance is None else acceptance):
             t = tried[j] if j < len(tried) else 0
@@ -812,34 +827,45 @@ class AdaptivePolicy:
         if not tried or not tried[0] or not self.spread_window:
             return
         p = self.long_run_acceptance()
-        own = self.sequence_expected_tokens(tried, accepted, p)
+        own = self.sequence_expected_tokens(tried, accepted, p, self.spread_prior_weight)
         base = self.sequence_expected_tokens([], [], p)
-        ratios = [o / e for o, e in zip(own, base)]
-        if len(self._spread) == self._spread.maxlen:  # the oldest falls out of the window
-            for column, old in zip(self._spread_sorted, self._spread[0]):
-                del column[bisect.bisect_left(column, old)]
-        self._spread.append(ratios)
-        for column, ratio in zip(self._spread_sorted, ratios):
-            bisect.insort(column, ratio)
+        self._spread.append([o / e for o, e in zip(own, base)])
+        self._spread_array = None
 
-    def _spread_tokens(self, draining, p: list[float]) -> list[list[float]]:
-        """E_i[k] for k = 0..max_k of every running sequence: its own estimate (shrunk towards `p`),
-        moved towards the quantile of the finished sequences' ratios that its rank among the running
-        ones gives, by the share of the prior in its estimate."""
-        own = [self.sequence_expected_tokens(t, a, p) for _, t, a, *_ in draining]
+    def _spread_tokens(self, draining, p: list[float]) -> tuple[np.ndarray, np.ndarray]:
+        """E_i[k] of every running sequence i: its own estimate (shrunk towards `p`), [k, i], and the same
+        in each of the drain's draws s, [k, s, i] (one draw where no spread is known yet), moved by the
+        share of the prior in it towards the ratios of a finished sequence drawn at random, the
+        running sequences taking the draw's sequences in the order of their own estimates (module
+        docstring)."""
+        own = np.array([self.sequence_expected_tokens(t, a, p) for _, t, a, *_ in draining]).T  # [k, i]
         if len(self._spread) < 8:
-            return own
+            return own, own[:, None, :]
+        ratios = self._spread_array
+        if ratios is None:  # the window's ratios [k, window], its sequences slowest first (at max_k)
+            rows = np.array(self._spread)
+            ratios = self._spread_array = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")].T)
+        _, picks = self._drain_draws(len(draining))
+        # each draw's finished sequences, slowest first (the picks are sorted in each draw), to the running
+        # ones in the order of their own estimates
+        rank = np.argsort(np.argsort(own[-1], kind="stable"), kind="stable")
+        m = ratios[:, (picks * ratios.shape[1]).astype(np.intp)[:, rank]]  # [k, s, i]
         w = self.sequence_prior_weight
-        unsure = [w / ((t[0] if t else 0) + w) for _, t, *_ in draining]
-        n = len(own)
-        out = [list(e) for e in own]
-        for k in range(1, self.max_k + 1):
-            ratios = self._spread_sorted[k]
-            order = sorted(range(n), key=lambda i: own[i][k])
-            for rank, i in enumerate(order):
-                m = ratios[min(len(ratios) - 1, int((rank + 0.5) / n * len(ratios)))]
-                out[i][k] = max(1.0, own[i][k] * (1.0 + unsure[i] * (m - 1.0)))
-        return out
+        unsure = np.array([w / ((t[0] if t else 0) + w) for _, t, *_ in draining])
+        # own * (1 + unsure * (m - 1)), at least the one token a step always gains
+        m *= (own * unsure)[:, None, :]
+        m += (own * (1.0 - unsure))[:, None, :]
+        return own, np.maximum(m, 1.0, out=m)
+
+    def _drain_draws(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The drain's fixed draws for n sequences (the same every choice, so that it repeats): N(0, 1)
+        noise of each sequence's steps, and U[0, 1) picks of finished sequences, sorted in each draw."""
+        draws = self._drain_noise.get(n)
+        if draws is None:
+            rng = np.random.default_rng(self.seed)
+            draws = self._drain_noise[n] = (rng.standard_normal((self.drain_samples, n)),
+                                            np.sort(rng.random((self.drain_samples, n)), axis=1))
+        return draws
 
     def drain_scores(self, draining) -> list[float | None]:
         """For a closed batch (module docstring): tokens per second until every running sequence is done,
@@ -850,7 +876,7 @@ class AdaptivePolicy:
         sequence's one-token steps (a step that verifies filler: module docstring) come before
         its steps at E_i[k]."""
         p = self.long_run_acceptance()
-        e = np.array(self._spread_tokens(draining, p)).T  # [k, sequence]: E_i[k]
+        own, e = self._spread_tokens(draining, p)  # E_i[k]: [k, sequence], and [k, draw, sequence]
         left = np.array([max(0, r) for r, *_ in draining], dtype=float)
         single = np.minimum([d[4] if len(d) > 4 else 0 for d in draining], left)  # (at most its tokens left)
         drafted = left - single  # the tokens of steps at E_i[k]
@@ -861,17 +887,25 @@ class AdaptivePolicy:
         out: list[float | None] = [None] * (self.max_k + 1)
         if not measured:
             return out
-        noise = self._drain_noise.get(n)
-        if noise is None:  # the same draws for every choice at this batch size
-            noise = self._drain_noise[n] = np.random.default_rng(self.seed).standard_normal((self.drain_samples, n))
-        # one step's tokens: 1 + A, with P(A >= j) = E[j] - E[j - 1]; Var A = sum (2j - 1) P(A >= j) - (E A)^2
-        q = np.maximum(e[1:] - e[:-1], 0.0)  # [k, sequence]
-        gained = np.zeros_like(e)
-        square = np.zeros_like(e)
+        noise, _ = self._drain_draws(n)
+        # one step's tokens: 1 + A, with P(A >= j) = E[j] - E[j - 1]; Var A = sum (2j - 1) P(A >= j) - (E A)^2,
+        # from the sequence's own estimate (in a draw its E_i[k] moves, its variance barely)
+        q = np.maximum(own[1:] - own[:-1], 0.0)  # [k, sequence]
+        gained = np.zeros_like(own)
+        square = np.zeros_like(own)
         np.cumsum(q, axis=0, out=gained[1:])
         np.cumsum(q * self._odd[:, None], axis=0, out=square[1:])
-        e, var = e[measured], np.maximum(square - gained * gained, 0.0)[measured]  # [k, sequence]
-        draws = (single + drafted / e)[:, None, :] + np.sqrt(drafted * var / (e * e * e))[:, None, :] * noise
+        spread = np.sqrt(drafted * np.maximum(square - gained * gained, 0.0))[:, None, :]  # [k, 1, sequence]
+        if len(measured) <= self.max_k:
+            e, spread = e[measured], spread[measured]
+        # steps to finish: its filler steps, then drafted / E steps, with standard deviation sqrt(drafted Var / E^3)
+        inverse = np.reciprocal(e)
+        draws = spread * noise  # [k, draw, sequence]
+        draws *= inverse
+        draws *= np.sqrt(inverse)
+        inverse *= drafted
+        draws += inverse
+        draws += single
         np.maximum(draws, 0.0, out=draws)
         draws.sort(axis=2)
         finish = draws.mean(axis=1)  # [k, m]: the m-th finish, m = 0..n-1
