@@ -83,7 +83,10 @@ def test_an_engine_keeps_what_start_up_left_alive_out_of_the_garbage_collector(k
     frozen = gc.get_freeze_count()
     assert frozen > 10_000
     out = kit.run_requests(engine, {"p": ([9, 10, 11], kit.greedy(4))})["p"]
-    assert len(out) == 4 and gc.get_freeze_count() == frozen
+    # Serving neither freezes again (the count would grow) nor unfreezes (it would drop to 0); a frozen
+    # object that dies meanwhile (another test's leftover, freed by its last reference) takes 1 off.
+    after = gc.get_freeze_count()
+    assert len(out) == 4 and frozen - 1_000 < after <= frozen
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(kit, tiny_models):
