@@ -12,6 +12,10 @@ kept). So the key of a block also covers the one token after it
 (`lookahead=1`): a hit then serves only entries computed from exactly the
 request's tokens, and the draft's first uncached position gets its hidden
 state from this step's main forward instead of a stale or missing one.
+
+Adaptive depth's steps at k = 0 write no draft keys (ModelRunner._fill_draft_keys writes them at the
+next step that drafts), so a block is published with whether its draft keys were all written then:
+a hit on blocks that hold them all needs no fill; one that does not fills from the first such block.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ def chain_hash(prev_hash: int, token_ids: list[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "draft_keys")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1  # -1: not registered in the prefix cache
         self.token_ids: tuple[int, ...] = ()
+        self.draft_keys = True  # (registered) the draft's keys at its every position were written
 
 
 class BlockManager:
@@ -99,6 +104,7 @@ class BlockManager:
         bs = self.block_size
         num_full = min(num_valid_tokens, len(seq) - self.lookahead) // bs
         hashes = self._block_hashes(seq, num_full)
+        gap = seq.draft_keys_from  # the first position whose draft key a step at k = 0 left out (None: none)
         for j in range(num_full):
             block = self.blocks[seq.block_table[j]]
             if block.hash != -1:
@@ -107,6 +113,7 @@ class BlockManager:
                 continue  # same prefix already published by another block: keep that one
             block.hash = hashes[j]
             block.token_ids = self._key_tokens(seq, j)
+            block.draft_keys = gap is None or gap >= (j + 1) * bs
             self.hash_to_block_id[block.hash] = block.block_id
 
     # allocation -----------------------------------------------------------
@@ -131,8 +138,11 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
         self.num_hit_tokens += seq.num_cached_tokens
-        if hits:  # steps at adaptive depth's k = 0 may have left the blocks' draft keys out
-            seq.draft_keys_from = 0
+        # steps at adaptive depth's k = 0 may have left some blocks' draft keys out: the next step that
+        # drafts writes them from the first such block on (a hit on blocks that hold them all fills none)
+        missing = next((j for j, block_id in enumerate(hits) if not self.blocks[block_id].draft_keys), None)
+        if missing is not None:
+            seq.draft_keys_from = missing * self.block_size
 
     def reserve(self, seq: Sequence, num_slots: int) -> None:
         """Grow the block table of `seq` to at least `num_slots` slots."""
