@@ -7,7 +7,8 @@ Adaptive (`--speculative_adaptive=true`, K = `--num_speculative_tokens`): a
 step at depth k yields, per sequence, E[k] = 1 + sum_{j=1..k} p_1 p_2 ... p_j
 tokens, where p_j is the chance that draft j is accepted given drafts
 1..j-1 were. The policy estimates every p_j from decayed counts (each step
-multiplies the old counts by `decay`, so recent steps weigh more; steps
+multiplies the old counts by `decay`, so recent steps weigh more, or by
+`verify_decay` to the power of its verifies where that ages them less; steps
 that verify no draft only down to `hold_weight`, below; a p_j with little
 evidence leans on p_{j-1}'s estimate, since depths past the one in use are
 only measured by probes) and the
@@ -22,6 +23,17 @@ depth in use moves the load; a step at another depth (a probe) moves that
 depth's unit cost, by `probe_cost_smoothing`. A k's score must beat the current one's
 by `switch_margin` to replace it (noise in the timings would otherwise flip
 k every step, and each rise pays for drafts the previous step did not make).
+
+The counts span ~1 / (1 - decay) steps (10) or ~1 / (1 - verify_decay)
+verifies (33), whichever is more: from batch 4 on the steps' window stands,
+below it the verifies'. At batch 1 a window of 10 verifies is one sequence's
+last 10 steps, and a few of them missing drafts 2 and 3 (a hard stretch of
+text) put p_2 and p_3 at ~0.6: the policy fell from k = 3 to k = 1, where
+drafts 2 and 3 get no evidence until their counts decay away, and held it
+for 20-50 steps (bench preset, 128-token prompts one at a time: 0.95 of
+fixed k = 3's tokens/s, k = 1 or 2 on 8-30% of the steps). With the verifies'
+window it ran 0.97 (k < 3 on under 1% of the steps). A draft gone bad is still
+seen within a few dozen steps, at batch 1 a few dozen milliseconds.
 
 Only a step that follows `cold_steps` (2) steps at the same depth is timed.
 Each depth's step is code and data of its own (in graph mode, a compiled
@@ -371,6 +383,9 @@ class AdaptivePolicy:
 
     max_k: int
     decay: float = 0.9  # per step; the counts of the last ~1 / (1 - decay) steps dominate
+    # ... and of the last ~1 / (1 - verify_decay) verifies at least, whatever the batch size: a step decays
+    # them by max(decay, verify_decay ** its verifies) (module docstring)
+    verify_decay: float = 0.97
     cost_smoothing: float = 0.05  # weight of a new step time in its (k, bucket) cost at unit load
     load_smoothing: float = 0.3  # weight of a new step time in its bucket's load factor
     probe_cost_smoothing: float = 0.6  # weight of a probe (a depth not in use) in that depth's cost (module docstring)
@@ -437,7 +452,7 @@ class AdaptivePolicy:
     # (bucket, batch size) -> the depth in use's recent step time there, what a probe is compared with
     # (its steps timed there since it came into use: a probe waits for reference_steps of them)
     _reference: dict[tuple[int, int], list] = field(init=False, default_factory=dict)
-    _evidence: bool = field(init=False, default=False)  # this step verified a real draft (end_step decays)
+    _evidence: int = field(init=False, default=0)  # the verifies of real drafts this step (end_step decays)
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
     _probe_k: int = field(init=False, default=0)
@@ -549,8 +564,10 @@ class AdaptivePolicy:
             hit_to[accepted] += 1
         tried = hit = 0
         scale, long_scale = self._scale, self._long_scale
-        if any(tried_to[1:]):
-            self._verified = self._evidence = True
+        verified = sum(tried_to[1:])
+        if verified:
+            self._verified = True
+            self._evidence += verified
         for j in range(K, 0, -1):  # draft j was tried by every sequence that reached j or more
             tried += tried_to[j]
             hit += hit_to[j]
@@ -699,8 +716,8 @@ class AdaptivePolicy:
         last probe's acceptance stands until the next probe, whose verifies outweigh it (module
         docstring)."""
         if self._evidence:
-            self._evidence = False
-            self._scale /= self.decay
+            self._scale /= max(self.decay, self.verify_decay ** self._evidence)
+            self._evidence = 0
             self._long_scale /= self.long_decay
         else:
             if self._tries[0] * self.decay >= self.hold_weight * self._scale:

@@ -63,7 +63,7 @@ def test_a_depth_without_evidence_is_expected_to_do_as_well_as_the_one_before():
 
 
 def test_recent_steps_weigh_more():
-    policy = AdaptivePolicy(1, decay=0.5, prior_weight=1e-9)
+    policy = AdaptivePolicy(1, decay=0.5, verify_decay=0.0, prior_weight=1e-9)
     for _ in range(10):
         policy.record_verify(1, 1)
         policy.end_step()
@@ -71,6 +71,26 @@ def test_recent_steps_weigh_more():
     policy.record_verify(1, 0)
     # ten accepted steps, the last of them weighing 0.5 and the first 0.5 ** 10, against two fresh rejections
     assert policy.acceptance()[0] < 0.4
+
+
+def test_the_counts_span_a_window_of_verifies_at_small_batches_and_of_steps_at_large_ones():
+    """A step decays the counts by max(decay, verify_decay ** its verifies): at batch 1 a per-step window
+    of ~10 verifies let one sequence's stretch of hard text (its drafts 2 and 3 missing for a few steps)
+    drop k = 3 to k = 1 for 20-50 steps, where fixed k = 3 ran 10% faster (bench preset, requests one
+    at a time); from batch 4 on the per-step window stands (~40 verifies at 4, ~320 at 32)."""
+    def acceptance(batch: int, **settings) -> float:
+        policy = AdaptivePolicy(1, prior_weight=1e-9, **settings)
+        for verified in [1] * 20 + [0] * 5:
+            policy.record_verifies([(1, verified)] * batch)
+            policy.end_step()
+        return policy.acceptance()[0]
+    stepwise = dict(verify_decay=0.0)
+    # batch 1: 20 accepted verifies, then 5 rejected, weighed per verify (0.97) rather than per step (0.9)
+    assert acceptance(1) > 0.7 and acceptance(1, **stepwise) < 0.6
+    assert acceptance(1) == pytest.approx(sum(0.97 ** i for i in range(5, 25)) / sum(0.97 ** i for i in range(25)))
+    # batch 4 on: 0.97 ** 4 = 0.89 decays faster than a step's 0.9, which stands
+    assert acceptance(4) == pytest.approx(acceptance(4, **stepwise))
+    assert acceptance(32) == pytest.approx(acceptance(32, **stepwise)) and acceptance(32) < 0.6
 
 
 def test_steps_without_drafts_keep_the_last_verifies_acceptance_and_the_next_probe_outweighs_it():
@@ -129,10 +149,12 @@ def test_a_step_s_verifies_counted_together_weigh_as_the_decayed_counts_of_each_
                 assert got == pytest.approx(want, rel=1e-9)
         policy.end_step()
         # a step that verified no real draft ages the counts only down to hold_weight verifies of draft 1
-        evidence = any(real for real, _ in verifies)
+        # ... and one that did by decay, or by verify_decay per real verify where that ages them less
+        evidence = sum(1 for real, _ in verifies if real)
+        factor = max(decay, policy.verify_decay ** evidence) if evidence else decay
         if evidence or tries[0] * decay >= policy.hold_weight:
-            tries[:] = [c * decay for c in tries]
-            hits[:] = [c * decay for c in hits]
+            tries[:] = [c * factor for c in tries]
+            hits[:] = [c * factor for c in hits]
         if evidence or long_tries[0] * long_decay >= policy.hold_weight:
             long_tries[:] = [c * long_decay for c in long_tries]
             long_hits[:] = [c * long_decay for c in long_hits]
@@ -727,7 +749,7 @@ def test_a_closed_batch_s_choice_stands_longer_the_wider_its_lead_and_is_revised
 
 
 def test_a_batch_s_slow_tail_does_not_set_what_the_next_batch_s_sequences_are_expected_to_accept():
-    policy = AdaptivePolicy(1, prior_weight=1e-9)
+    policy = AdaptivePolicy(1, verify_decay=0.0, prior_weight=1e-9)  # (steps of 1 verify: each decays by 0.9)
     for _ in range(100):  # a batch of sequences whose drafts agree
         for _ in range(8):
             policy.record_verify(1, 1)
