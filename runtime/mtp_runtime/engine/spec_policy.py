@@ -299,7 +299,16 @@ batch 16, where a graph-mode step at batch 1 is 0.8 ms), and from one step to
 the next it barely moves: an open batch's choice is revised every
 `revise_interval` (4) steps, and at once when the batch moves to another
 bucket or a probe ends (the policy's bookkeeping a step, choice and evidence:
-9.9 -> 5.6 us at batch 1, 10.8 -> 4.6 us at batch 16).
+9.9 -> 5.6 us at batch 1, 10.8 -> 4.6 us at batch 16). Those are warm
+figures; between two model steps the bookkeeping runs with its code and data
+out of the CPU's caches, several times slower: with a cache-sized sweep of
+memory between steps, its five calls a step took 31 us at batch 1, and an
+adaptive engine's host time a decode step at k = 3 was 98 us against a fixed
+k = 3 engine's 64 (bench preset, graph mode, batch 1: ~2% of a 1.9 ms step).
+So `choose` takes a shortcut through the steps that neither revise nor probe
+(the same choice: only counters move), and a single verify (batch 1) is
+counted without the histogram a batch's verifies take: 23 us, and 94 us of
+host time a step.
 
 Timings are noisy: the start-up seeds each cost with the median of its dummy
 steps (their mean let one slow step of five make k = 0 at batch 4 look 1.7
@@ -469,6 +478,7 @@ class AdaptivePolicy:
     _drain_bucket: int = field(init=False, default=0)  # the batch bucket a closed batch's choice was last made at
     _revise_wait: int = field(init=False, default=0)  # steps until an open batch's choice is revised
     _revise_bucket: int = field(init=False, default=0)  # the batch bucket it was last revised for
+    _steady_size: int = field(init=False, default=0)  # the batch size of the last open batch's choice (0: none)
     _verified: bool = field(init=False, default=False)  # a real draft has been verified (a fresh policy has not)
     _untimed: int = field(init=False, default=0)  # chosen steps still to come that are not timed (a fresh probe)
     _timing: bool = field(init=False, default=True)  # whether the step chosen last is timed
@@ -555,6 +565,23 @@ class AdaptivePolicy:
     def record_verifies(self, verifies) -> None:
         """A step's verifies, (real drafts, accepted) per sequence (`record_verify`)."""
         K = self.max_k
+        scale, long_scale = self._scale, self._long_scale
+        if len(verifies) == 1:  # (batch 1: drafts 1..min(accepted + 1, real) tried, 1..accepted accepted)
+            real, accepted = verifies[0]
+            real = min(real, K)
+            if real < 1:
+                return
+            accepted = min(accepted, real)
+            self._verified = True
+            self._evidence += 1
+            tries, long_tries, hits, long_hits = self._tries, self._long_tries, self._hits, self._long_hits
+            for j in range(min(accepted + 1, real)):
+                tries[j] += scale
+                long_tries[j] += long_scale
+            for j in range(accepted):
+                hits[j] += scale
+                long_hits[j] += long_scale
+            return
         tried_to = [0] * (K + 1)  # sequences whose drafts 1..j were tried, at j
         hit_to = [0] * (K + 1)
         for real, accepted in verifies:
@@ -563,7 +590,6 @@ class AdaptivePolicy:
             tried_to[min(accepted + 1, real)] += 1
             hit_to[accepted] += 1
         tried = hit = 0
-        scale, long_scale = self._scale, self._long_scale
         verified = sum(tried_to[1:])
         if verified:
             self._verified = True
@@ -586,7 +612,7 @@ class AdaptivePolicy:
         recorded without `choose` (the start-up's) are timed as given."""
         if not 0 <= k <= self.max_k or batch_size < 1 or seconds <= 0 or not self._timing:
             return
-        if any(earlier != k for earlier in self._recent_k):
+        if self._recent_k.count(k) != len(self._recent_k):  # (one of the last few steps ran another depth)
             return
         bucket = batch_bucket(batch_size)
         key = (k, bucket)
@@ -946,7 +972,17 @@ class AdaptivePolicy:
         position, accepted per position) of every running sequence, or a function that returns them
         (called only on the steps that revise the choice, with batch_size taken for their number);
         with two or more, the k that finishes them soonest is chosen (module docstring)."""
-        k = self._choose(batch_size, draining)
+        if (batch_size == self._steady_size and self._revise_wait and not self._probe_left
+                and self._probe_timed is None and (self._until_probe > 1 or self._untimed)
+                and (draining is None or (batch_size <= 1 if callable(draining) else len(draining) <= 1))):
+            # (most steps: an open batch of the size of the last choice, between revisions, no probe due;
+            # what _choose does then, with less of the interpreter's time between two model steps)
+            self._revise_wait -= 1
+            self._since_probe += 1
+            self._until_probe -= 1
+            k = self._current
+        else:
+            k = self._choose(batch_size, draining)
         self._recent_k.append(k)
         self._timing = not self._untimed
         if self._untimed:
@@ -966,6 +1002,7 @@ class AdaptivePolicy:
         grown, self._last_batch = batch_size > self._last_batch, batch_size
         if closed and grown:  # its prompts were just prefilled: its first steps run cold (module docstring)
             self._untimed = max(self._untimed, self.settle_steps)
+        self._steady_size = 0 if closed else batch_size  # (choose's shortcut)
         if closed:
             # A drain's outlook changes slowly, and its estimate costs 0.1-0.2 ms (0.4-0.5 cold, between model
             # steps): next to a 1 ms step (batch 4 at k = 0) it was 4% of the run when made every fourth step.

@@ -1149,3 +1149,41 @@ def test_the_host_s_time_around_each_step_is_part_of_its_cost():
     assert policy.overhead(0, 1) == pytest.approx(1.029)
     policy.record_overhead(1, 16, 0.1)
     assert policy.overhead(0, 16) == 0.1 and policy.overhead(0, 1) == pytest.approx(1.029)
+
+
+def test_choose_s_shortcut_between_revisions_picks_what_the_full_choice_would():
+    """Most of an open batch's steps neither revise nor probe, and `choose` takes a shortcut through them
+    (the policy's time between two model steps); a policy made to take the full path every step chooses
+    the same depths, through probes, switches, changes of batch size and a draft that turns bad."""
+
+    class Full(AdaptivePolicy):
+        def choose(self, batch_size, draining=None):
+            self._steady_size = -1  # (never a batch size: no shortcut)
+            return super().choose(batch_size, draining)
+
+    def run(policy):
+        rng = random.Random(3)
+        for k in range(policy.max_k + 1):
+            for b in (1, 2, 4, 8):
+                policy.seed_step_cost(k, b, [1.0 + 0.2 * k * b])
+        chosen, batch, shortcuts = [], 1, 0
+        for step in range(3000):
+            if rng.random() < 0.02:
+                batch = rng.choice([1, 2, 3, 4, 7])
+            good = (step // 700) % 2 == 0
+            shortcuts += batch == policy._steady_size and policy._revise_wait > 0 and not policy._probe_left
+            # (a closed batch of one sequence is chosen for as an open one)
+            k = policy.choose(batch, (lambda: []) if batch == 1 and step % 3 == 0 else None)
+            chosen.append(k)
+            if k:
+                accepted = [sum(rng.random() < (0.9 if good else 0.1) for _ in range(k)) for _ in range(batch)]
+                policy.record_verifies([(k, a) for a in accepted])
+            policy.record_step(k, batch, (1.0 + 0.2 * k * batch) * rng.uniform(0.9, 1.2))
+            policy.record_overhead(k, batch, 0.1 * rng.uniform(0.8, 1.2))
+            policy.end_step()
+        return chosen, shortcuts
+
+    fast, shortcuts = run(AdaptivePolicy(3, seed=1))
+    full, _ = run(Full(3, seed=1))
+    assert fast == full
+    assert shortcuts > 1000 and len(set(fast)) == 4  # (it was taken, and every depth ran)
