@@ -93,6 +93,39 @@ def test_the_counts_span_a_window_of_verifies_at_small_batches_and_of_steps_at_l
     assert acceptance(32) == pytest.approx(acceptance(32, **stepwise)) and acceptance(32) < 0.6
 
 
+def test_drafts_past_a_step_s_depth_age_by_steps_not_by_verifies():
+    """At batch 1 the counts age by verifies (the test above), and the drafts past the depth in use get
+    none: a 16-step hard stretch put p_2 at 0.47, the policy fell to k = 1, and p_2 held 0.47 for ~170
+    steps after the stretch had ended (engine benchmark's prompts one at a time, where fixed k = 3 ran
+    3% faster). A step's drafts past its depth age by the steps' window instead: within ~40 steps at
+    k = 1 they lean on draft 1's estimate, and the policy goes back to k = 3."""
+    def cost(k, b):
+        return 1.0 + 0.4 * k
+
+    def steps_back_at_3(**settings):
+        policy = _seeded(AdaptivePolicy(3, probe_interval=10**6, **settings), cost)
+        chosen = []
+        for step in range(60):  # easy text, then a stretch of 24 steps where draft 2 misses
+            k = policy.choose(1)
+            chosen.append(k)
+            if k:
+                policy.record_verifies([(k, min(k, 1) if step >= 36 else k)])
+            policy.end_step()
+        assert chosen[20:36] == [3] * 16 and chosen[-1] < 3, chosen  # k = 3, and the stretch took it down
+        for step in range(400):  # the text is easy again: every draft verified is accepted
+            k = policy.choose(1)
+            if k == 3:
+                return step
+            policy.record_verifies([(k, k)] if k else [])
+            policy.end_step()
+        return None
+
+    back = steps_back_at_3()
+    assert back is not None and back <= 60, back
+    stalled = steps_back_at_3(decay=0.97)  # (the steps' window as long as the verifies': the old aging)
+    assert stalled is None or stalled > 2 * back, (back, stalled)
+
+
 def test_steps_without_drafts_keep_the_last_verifies_acceptance_and_the_next_probe_outweighs_it():
     """A server at concurrency 32 held k = 0 between probes 200-400 steps apart, and its acceptance, decayed
     every step, fell to the prior's 0.5 where the draft agreed 80-95% of the time: speculation looked poor
