@@ -276,7 +276,13 @@ depth whose cost in a bucket is the start-up's alone is probed as soon as
 the depth in use has run the batch size at hand (up to `early_probes`
 times, for a probe whose timed step fell at another batch size), and its
 first timed probe replaces the start-up's estimate: 4 steps per depth and
-bucket, once in a server's life.
+bucket, once in a server's life. Only for a depth within reach, though: one
+whose score on the start-up's costs is at least 1 - `early_reach` (0.8) of
+the depth in use's (the start-up's errors above were 15-25% of a step). The
+engine benchmark's closed batches of 32, where k = 0 led and the start-up put
+k = 2 and 3 at 0.78 and 0.67 of it, probed both at once, 6 steps each at 3.3
+and 4.5 times k = 0's step: the first batches of 32 ran 0.85-0.92 of fixed
+k = 0. A depth out of reach is left to the probes that probe_budget paces.
 
 While the policy holds k = 0, nothing is learnt of the drafts until the
 next probe, and the last probe's verifies are the best estimate there is;
@@ -424,6 +430,7 @@ class AdaptivePolicy:
     # a depth whose cost in a bucket is the start-up's alone is probed at once, up to this many times (module
     # docstring)
     early_probes: int = 3
+    early_reach: float = 0.2  # ... if its score on the start-up's costs is at least 1 - this of the depth in use's
     # a probe's step counts once the depth in use has timed this many steps of its batch size since it came
     # into use (module docstring)
     reference_steps: int = 4
@@ -521,6 +528,8 @@ class AdaptivePolicy:
             raise ValueError(f"AdaptivePolicy: cost_smoothing={self.cost_smoothing}, load_smoothing="
                              f"{self.load_smoothing} and probe_cost_smoothing={self.probe_cost_smoothing} "
                              f"must lie in (0, 1]")
+        if not 0 <= self.early_reach <= 1:
+            raise ValueError(f"AdaptivePolicy: early_reach={self.early_reach} must lie in [0, 1]")
         if self.early_probes < 0 or self.reference_steps < 1:
             raise ValueError(f"AdaptivePolicy: early_probes={self.early_probes} must be >= 0 and reference_steps="
                              f"{self.reference_steps} >= 1")
@@ -1074,7 +1083,7 @@ class AdaptivePolicy:
                 self._probe_left += int(self.first_drafts_deferred)
                 self._untimed = self._probe_left + 1
                 return k
-            early = None if self._untimed else self._early_probe(batch_size)
+            early = None if self._untimed else self._early_probe(batch_size, scores)
             if early is not None:
                 return self._start_probe(early)
             best = max(range(len(scores)), key=lambda k: scores[k])
@@ -1132,17 +1141,18 @@ class AdaptivePolicy:
             return 1.0
         return max(1.0, self.drain_lead_hold * (known[0] / known[1] - 1.0) / self.switch_margin)
 
-    def _early_probe(self, batch_size: int) -> int | None:
+    def _early_probe(self, batch_size: int, scores: list[float]) -> int | None:
         """A depth whose cost in this bucket is still the start-up's alone, to probe now (module docstring):
-        once the depth in use has run this batch size lately (a probe is set against those steps), and
-        at most `early_probes` times for each depth and bucket (a probe not timed, the batch size having
-        moved, is tried again)."""
+        once the depth in use has run this batch size lately (a probe is set against those steps), if its
+        score is within early_reach of the depth in use's, and at most `early_probes` times for each
+        depth and bucket (a probe not timed, the batch size having moved, is tried again)."""
         bucket = batch_bucket(max(1, batch_size))
         if self._reference.get((bucket, batch_size), (0, 0))[1] < self.reference_steps:
             return None
         for k in range(self.max_k + 1):
             cost = self._costs.get((k, bucket))
-            if k != self._current and cost is not None and not cost.live and cost.early < self.early_probes:
+            if k != self._current and cost is not None and not cost.live and cost.early < self.early_probes \
+                    and scores[k] >= (1.0 - self.early_reach) * scores[self._current]:
                 cost.early += 1
                 return k
         return None

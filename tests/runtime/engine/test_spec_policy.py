@@ -631,13 +631,29 @@ def test_a_depth_known_only_from_the_start_up_is_probed_at_once_and_its_first_ti
     again = AdaptivePolicy(1, probe_steps=4, prior_weight=1e-9, probe_interval=10**6)
     for k in range(2):
         again.seed_step_cost(k, 32, [seeded[k]] * 3)
-    again.record_verifies([(1, 0)] * 4)
+    again.record_verifies([(1, 1)] * 3 + [(1, 0)])  # E[1] = 1.75: 0.875 of k = 0's score, within reach
     chosen = []
     for i in range(40):
         k = again.choose(30)
         again.record_step(k, 30 if k == 0 else 31, real[k])  # a probe's rows never match k = 0's
         chosen.append(k)
     assert chosen.count(1) == 4 * again.early_probes and again.cost(1, 30) == pytest.approx(2.0)
+    # a depth the start-up puts more than early_reach below the depth in use waits for the paced probes
+    # (closed batches of 32, k = 2 and 3 at 0.78 and 0.67 of k = 0: their early probes cost the first
+    # batches 8-15%)
+    far = AdaptivePolicy(1, probe_steps=4, prior_weight=1e-9, probe_interval=10**6)
+    for k in range(2):
+        far.seed_step_cost(k, 32, [seeded[k]] * 3)
+    far.record_verifies([(1, 1)] * 3 + [(1, 0)] * 2)  # E[1] = 1.6: 0.8 of k = 0's score ...
+    far.record_verifies([(1, 0)])  # ... and now 1.5, 0.75
+    chosen = []
+    for i in range(40):
+        k = far.choose(30)
+        far.record_step(k, 30, real[k])
+        chosen.append(k)
+    assert chosen == [0] * 40 and not far._costs[(1, 32)].live
+    with pytest.raises(ValueError, match="early_reach=1.5"):
+        AdaptivePolicy(1, early_reach=1.5)
     with pytest.raises(ValueError, match="early_probes=-1"):
         AdaptivePolicy(1, probe_steps=4, early_probes=-1)
     with pytest.raises(ValueError, match="reference_steps=0"):
