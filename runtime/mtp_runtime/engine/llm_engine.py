@@ -308,6 +308,7 @@ class LLMEngine:
             # a closed batch of 32 whose first step prefilled 16 was asked at 16, a size its drain passes
             # through too fast to measure, and the draft passed over the prompts at k = 2 or 3.)
             size = min(self.config.max_seqs_per_batch, len(self.scheduler.running) + len(self.scheduler.waiting))
+            self.policy.prompts_only()
         k = self.policy.choose(max(1, size), draining)
         batch.num_speculative_tokens = k
         batch.num_real_drafts = []

@@ -1020,6 +1020,13 @@ class AdaptivePolicy:
             self._untimed -= 1
         return k
 
+    def prompts_only(self) -> None:
+        """The next step only prefills prompts (no sequence decodes in it): a probe under way ends now. Its
+        steps left would make the draft pass over the prompts at the probed depth (the engine benchmark's
+        batches of 16, k = 0 in use: a probe of k = 2 that the last batch's tail began prefilled the next
+        batch at k = 2, 28 ms against 26) and then run on their first, cold decode steps."""
+        self._probe_left = 0
+
     def _choose(self, batch_size: int, draining) -> int:
         if self._probe_left:
             self._probe_left -= 1

@@ -1236,3 +1236,17 @@ def test_choose_s_shortcut_between_revisions_picks_what_the_full_choice_would():
     full, _ = run(Full(3, seed=1))
     assert fast == full
     assert shortcuts > 1000 and len(set(fast)) == 4  # (it was taken, and every depth ran)
+
+
+def test_a_step_that_only_prefills_ends_the_probe_under_way():
+    """A probe that a batch's tail began would run on into the next batch: its prompts prefilled at the
+    probed depth (the draft's pass over them) and its first, cold steps. The engine tells the policy
+    before a step that only prefills, and the depth in use takes it."""
+    policy = _seeded(AdaptivePolicy(3, probe_interval=10**6), lambda k, b: 1.0 + 0.5 * k)
+    policy.record_verifies([(1, 0)] * 8)  # the draft misses: k = 0
+    assert [policy.choose(4) for _ in range(8)] == [0] * 8
+    policy._start_probe(2)  # (as a probe time would)
+    assert [policy.choose(4) for _ in range(3)] == [2] * 3  # the probe goes on ...
+    policy.prompts_only()
+    assert policy.choose(4) == 0 and policy._probe_left == 0  # ... until a step only prefills
+    assert policy.choose(4) == 0
