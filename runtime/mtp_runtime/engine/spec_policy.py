@@ -316,7 +316,8 @@ batch 16, where a graph-mode step at batch 1 is 0.8 ms), and from one step to
 the next it barely moves: an open batch's choice is revised every
 `revise_interval` (4) steps, and at once when the batch moves to another
 bucket or a probe ends (the policy's bookkeeping a step, choice and evidence:
-9.9 -> 5.6 us at batch 1, 10.8 -> 4.6 us at batch 16). Those are warm
+9.9 -> 5.6 us at batch 1, 10.8 -> 4.6 us at batch 16); a closed batch's
+choice, too, is made anew when a probe ends. Those are warm
 figures; between two model steps the bookkeeping runs with its code and data
 out of the CPU's caches, several times slower: with a cache-sized sweep of
 memory between steps, its five calls a step took 31 us at batch 1, and an
@@ -1176,7 +1177,9 @@ class AdaptivePolicy:
 
     def _start_probe(self, k: int) -> int:
         self._probe_k, self._probe_left = k, self.probe_steps - 1
-        self._revise_wait = 0  # the step after the probe weighs its evidence
+        # the step after the probe weighs its evidence, in an open batch or a closed one (a closed batch of
+        # 16 whose probe of k = 0 ended 6 steps in went on at k = 3 until its bucket fell, 20 steps on)
+        self._revise_wait = self._drain_wait = 0
         return k
 
     def _next_probe_gap(self) -> int:

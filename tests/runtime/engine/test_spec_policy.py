@@ -1152,6 +1152,26 @@ def test_sequences_admitted_to_a_closed_batch_make_its_choice_anew():
     assert policy.choose(32, [fast] * 32) == 0  # and then held until its next revision
 
 
+def test_a_closed_batch_s_choice_is_revised_at_once_when_a_probe_ends():
+    """A probe's steps are evidence (its timed step, its verifies): the closed batch's next step weighs
+    them, as an open batch's does. Left to the drain's wait (up to 32 steps), a closed batch of 16 whose
+    probe of k = 0 ended 6 steps in went on at k = 3 until its bucket fell, 20 steps later."""
+    policy = _closed_batch_policy(drain_interval=4, probe_interval=40, settle_steps=0)
+    built = []
+
+    def draining():
+        built.append(step)
+        return [(60, [20], [20])] * 32  # k = 1 leads k = 0 by far: the choice stands 32 steps
+
+    chosen = []
+    for step in range(200):
+        chosen.append(policy.choose(32, draining))
+    ends = [i for i in range(1, len(chosen)) if chosen[i - 1] == 0 and chosen[i] == 1 and i > policy.probe_steps]
+    assert ends, chosen  # probes of k = 0 from k = 1, and the step after each one's last revises
+    assert all(i in built for i in ends), (ends, built)
+    assert all(chosen[i - policy.probe_steps:i] == [0] * policy.probe_steps for i in ends)
+
+
 def test_a_closed_batch_s_first_steps_after_sequences_join_are_not_timed():
     """After a closed batch's prompts are prefilled its first decode steps run cold (bench preset, batch 32,
     k = 0: 5.7 ms, then 4.6 at the fourth, 4.0-4.5 from the seventh on), and the first batch's probes, set
