@@ -1177,8 +1177,8 @@ class AdaptivePolicy:
 
     def _start_probe(self, k: int) -> int:
         self._probe_k, self._probe_left = k, self.probe_steps - 1
-        # the step after the probe weighs its evidence, in an open batch or a closed one (a closed batch of
-        # 16 whose probe of k = 0 ended 6 steps in went on at k = 3 until its bucket fell, 20 steps on)
+        # the step after the probe weighs its evidence, in an open batch or a closed one (a closed batch's
+        # probe of k = 0 was weighed only at the drain's next revision, up to 32 steps later)
         self._revise_wait = self._drain_wait = 0
         return k
 

@@ -1154,8 +1154,8 @@ def test_sequences_admitted_to_a_closed_batch_make_its_choice_anew():
 
 def test_a_closed_batch_s_choice_is_revised_at_once_when_a_probe_ends():
     """A probe's steps are evidence (its timed step, its verifies): the closed batch's next step weighs
-    them, as an open batch's does. Left to the drain's wait (up to 32 steps), a closed batch of 16 whose
-    probe of k = 0 ended 6 steps in went on at k = 3 until its bucket fell, 20 steps later."""
+    them, as an open batch's does. Left to the drain's wait (up to 32 steps), a probe of k = 0 that ended
+    18 steps into a closed batch of 32 at k = 2 was weighed 9 steps later."""
     policy = _closed_batch_policy(drain_interval=4, probe_interval=40, settle_steps=0)
     built = []
 
