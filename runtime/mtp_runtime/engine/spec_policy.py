@@ -477,9 +477,11 @@ class AdaptivePolicy:
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # at unit load
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
     _overhead: dict[int, float] = field(init=False, default_factory=dict)  # per bucket: host seconds a step
-    # (bucket, batch size) -> the depth in use's recent step time there, what a probe is compared with
-    # (its steps timed there since it came into use: a probe waits for reference_steps of them)
+    # (bucket, batch size) -> the depth in use's last few step times there (as many as a probe times), the
+    # cheapest of which a probe's cheapest is compared with, and its steps timed there since it came into
+    # use (a probe waits for reference_steps of them)
     _reference: dict[tuple[int, int], list] = field(init=False, default_factory=dict)
+    _probe_timed_steps: int = field(init=False, default=1)  # probe_steps - cold_steps
     _evidence: int = field(init=False, default=0)  # the verifies of real drafts this step (end_step decays)
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
@@ -559,6 +561,7 @@ class AdaptivePolicy:
                              f"{self.cold_steps + 1} (a probe's first {self.cold_steps} steps run cold and are "
                              f"not timed), and cold_steps >= 0")
         self._recent_k = deque(maxlen=self.cold_steps + 1)
+        self._probe_timed_steps = self.probe_steps - self.cold_steps
         self._tries = [0.0] * self.max_k
         self._hits = [0.0] * self.max_k
         self._long_tries = [0.0] * self.max_k
@@ -642,21 +645,24 @@ class AdaptivePolicy:
         if cost is None:
             self._costs[key] = _Cost(seconds / load)
             if k == self._current:
-                self._reference[(bucket, batch_size)] = [seconds, 1]
+                self._reference[(bucket, batch_size)] = [deque((seconds,), maxlen=self._probe_timed_steps), 1]
             return
         if k != self._current:
             self._record_probe(k, bucket, batch_size, seconds, cost)
             return
         cost.samples += 1
         cost.live += 1
+        # what a probe at this batch size is compared with (`_record_probe`): the cheapest of its last few
+        # steps, as the probe's own cheapest timed step counts
+        reference = self._reference.get((bucket, batch_size))
+        if reference is None:
+            reference = self._reference[(bucket, batch_size)] = [deque(maxlen=self._probe_timed_steps), 0]
+        reference[0].append(seconds)
+        reference[1] += 1
         # A step that ran far from its estimate (a pause of the process, another job's burst on its
         # core) moves it as one 1.5 times off would: one such step made a depth look 50% dearer.
         expected = cost.seconds * load
         seconds = min(max(seconds, expected / self.outlier_ratio), expected * self.outlier_ratio)
-        # what a probe at this batch size is compared with (`_record_probe`)
-        reference = self._reference.setdefault((bucket, batch_size), [seconds, 0])
-        reference[0] += self.load_smoothing * (seconds - reference[0])
-        reference[1] += 1
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
         # then the k's own cost at unit load: the mean of its first samples, then a slow EMA
@@ -670,7 +676,7 @@ class AdaptivePolicy:
         base = self._costs.get((self._current, bucket))
         if reference is None or reference[1] < self.reference_steps or base is None:
             return  # the depth in use has not run this batch size lately, or only its first, cold steps
-        unit = seconds / reference[0] * base.seconds  # this depth's cost at unit load
+        unit = seconds / min(reference[0]) * base.seconds  # this depth's cost at unit load
         pending = self._probe_timed
         if pending is not None and pending[:2] != (k, bucket):
             self._end_probe()  # (its timed steps fell in two buckets: each counts in its own)
