@@ -246,10 +246,23 @@ server at concurrency 32 (32 requests of 64 tokens, at about 2 tokens a
 step, admit about one request a step) timed few steps, its probes hardly
 any, and its costs stayed near the start-up's, from dummy steps at 48 cached
 tokens. A probe tells how its depth compares with the one in use: its
-step is set against the depth in use's recent steps of the same batch size
-(a smoothed time per batch size, kept from the depth in use's timed steps
-and dropped when the depth in use changes), and their ratio, times the
-depth in use's cost, is the probed depth's. It counts once the depth in
+cheapest timed step is set against the depth in use's recent steps of the
+same batch size (a smoothed time per batch size, kept from the depth in
+use's timed steps and dropped when the depth in use changes), and their
+ratio, times the depth in use's cost, is the probed depth's. Noise only
+slows a step, so the probe's cheapest against a smoothed mean makes a probed
+depth look cheaper than it runs: on a machine whose same work took 0.93-1.41
+times its median, closed batches of 4 at k = 3 had a probe put k = 2 at
+0.757 of k = 3's step where the two ran 0.785 of each other, and ran a
+quarter of their batches at k = 2, each ~10% slower than at k = 3 (a
+simulated probe of twice the depth in use's cost, noise 10%: put at 1.87
+times it). In a closed batch, whose batch size steps down and whose last
+steps are those just before the probe, it is set against the cheapest of
+the depth in use's last steps of its size, as many as a probe times (the
+same simulation: 2.0). An open batch keeps the smoothed time: with the
+cheapest there too, a server at concurrency 32 fell to k = 0 (mean k 0.2)
+where fixed k = 3 ran 1.3-1.4 times faster (not traced; a batch size's
+last steps in a server can lie hundreds of steps apart). It counts once the depth in
 use has timed `reference_steps` (4) steps of that size: its first steps
 after another depth's run cold past the two that are not timed (k = 0
 after k = 3: 1.26, 1.15, 1.09x from the third on), and an engine at batch
@@ -477,11 +490,13 @@ class AdaptivePolicy:
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # at unit load
     _load: dict[int, float] = field(init=False, default_factory=dict)  # per bucket
     _overhead: dict[int, float] = field(init=False, default_factory=dict)  # per bucket: host seconds a step
-    # (bucket, batch size) -> the depth in use's last few step times there (as many as a probe times), the
-    # cheapest of which a probe's cheapest is compared with, and its steps timed there since it came into
-    # use (a probe waits for reference_steps of them)
+    # (bucket, batch size) -> the depth in use's recent step time there, what a probe is compared with in an
+    # open batch, its steps timed there since it came into use (a probe waits for reference_steps of them),
+    # and its last few step times there (as many as a probe times), the cheapest of which a closed batch's
+    # probe is compared with
     _reference: dict[tuple[int, int], list] = field(init=False, default_factory=dict)
     _probe_timed_steps: int = field(init=False, default=1)  # probe_steps - cold_steps
+    _probe_closed: bool = field(init=False, default=False)  # the last full choice was a closed batch's
     _evidence: int = field(init=False, default=0)  # the verifies of real drafts this step (end_step decays)
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
@@ -645,24 +660,25 @@ class AdaptivePolicy:
         if cost is None:
             self._costs[key] = _Cost(seconds / load)
             if k == self._current:
-                self._reference[(bucket, batch_size)] = [deque((seconds,), maxlen=self._probe_timed_steps), 1]
+                self._reference[(bucket, batch_size)] = [seconds, 1, deque((seconds,), maxlen=self._probe_timed_steps)]
             return
         if k != self._current:
             self._record_probe(k, bucket, batch_size, seconds, cost)
             return
         cost.samples += 1
         cost.live += 1
-        # what a probe at this batch size is compared with (`_record_probe`): the cheapest of its last few
-        # steps, as the probe's own cheapest timed step counts
+        # what a probe at this batch size is compared with (`_record_probe`): a smoothed time, and (closed
+        # batches) its last few steps, the cheapest of which a probe's cheapest is set against
         reference = self._reference.get((bucket, batch_size))
         if reference is None:
-            reference = self._reference[(bucket, batch_size)] = [deque(maxlen=self._probe_timed_steps), 0]
-        reference[0].append(seconds)
-        reference[1] += 1
+            reference = self._reference[(bucket, batch_size)] = [seconds, 0, deque(maxlen=self._probe_timed_steps)]
+        reference[2].append(seconds)
         # A step that ran far from its estimate (a pause of the process, another job's burst on its
         # core) moves it as one 1.5 times off would: one such step made a depth look 50% dearer.
         expected = cost.seconds * load
         seconds = min(max(seconds, expected / self.outlier_ratio), expected * self.outlier_ratio)
+        reference[0] += self.load_smoothing * (seconds - reference[0])
+        reference[1] += 1
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
         self._load[bucket] = load = load + self.load_smoothing * (seconds / cost.seconds - load)
         # then the k's own cost at unit load: the mean of its first samples, then a slow EMA
@@ -676,7 +692,8 @@ class AdaptivePolicy:
         base = self._costs.get((self._current, bucket))
         if reference is None or reference[1] < self.reference_steps or base is None:
             return  # the depth in use has not run this batch size lately, or only its first, cold steps
-        unit = seconds / min(reference[0]) * base.seconds  # this depth's cost at unit load
+        # this depth's cost at unit load (module docstring: closed batches set it against the cheapest)
+        unit = seconds / (min(reference[2]) if self._probe_closed else reference[0]) * base.seconds
         pending = self._probe_timed
         if pending is not None and pending[:2] != (k, bucket):
             self._end_probe()  # (its timed steps fell in two buckets: each counts in its own)
@@ -1043,6 +1060,7 @@ class AdaptivePolicy:
         scores: list[float | None] | None
         bucket = batch_bucket(max(1, batch_size))
         closed = draining is not None and (batch_size > 1 if callable(draining) else len(draining) > 1)
+        self._probe_closed = closed
         moved = False  # (an open batch's bucket changed since its last revision)
         grown, self._last_batch = batch_size > self._last_batch, batch_size
         if closed and grown:  # its prompts were just prefilled: its first steps run cold (module docstring)

@@ -396,29 +396,35 @@ def test_a_probe_runs_six_steps_and_its_cheapest_timed_step_sets_its_depth_s_cos
     assert policy.choose(4) == 0  # the probe is over
 
 
-def test_a_probe_s_cheapest_step_is_set_against_the_cheapest_of_the_depth_in_use_s_last_steps():
+def test_a_closed_batch_s_probe_is_set_against_the_cheapest_of_the_depth_in_use_s_last_steps():
     """A step's time is its cost plus whatever else held the core then: noise that only slows. The
     probe's cheapest timed step counts, and set against a smoothed mean of the depth in use's steps it
     made every probed depth look cheaper than it ran (closed batches of 4, k = 3 in use, on a machine
     whose same work took 0.93-1.41 times its median: a probe put k = 2 at 0.757 of k = 3's step where
     the two ran 0.785 of each other, and the policy ran a quarter of the batches at k = 2, each 10%
-    slower than at k = 3). The depth in use's cheapest of its last steps, as many as a probe times, is
-    what it is set against now."""
-    rng = random.Random(3)
-    policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, probe_backoff=1, probe_budget=1e9,
-                                    probe_cost_smoothing=1.0, seed=2), lambda k, b: 1.0 + k)
-    ratios = []
-    for _ in range(3000):
-        k = policy.choose(4)
-        probing = policy._probe_left > 0
-        policy.record_step(k, 4, (1.0 + k) * (1.0 + rng.expovariate(10.0)))  # k = 1 twice k = 0, noise 10%
-        if k:
-            policy.record_verifies([(1, 0)] * 4)  # k = 0 stays in use
-        policy.end_step()
-        if k and not probing:  # a probe's last step: its estimate is in
-            ratios.append(policy.cost(1, 4) / policy.cost(0, 4))
-    assert policy._current == 0 and len(ratios) > 100
-    assert statistics.median(ratios) == pytest.approx(2.0, abs=0.05)  # (set against the mean: 1.87)
+    slower than at k = 3). In a closed batch it is set against the cheapest of the depth in use's last
+    steps, as many as a probe times. An open batch keeps the smoothed mean: with the cheapest, a server
+    at concurrency 32 fell to k = 0 (mean k 0.2) where fixed k = 3 ran 1.3-1.4 times faster."""
+
+    def probed_ratio(draining):
+        rng = random.Random(3)
+        policy = _seeded(AdaptivePolicy(1, prior_weight=1e-9, probe_interval=16, probe_backoff=1,
+                                        probe_budget=1e9, probe_cost_smoothing=1.0, seed=2), lambda k, b: 1.0 + k)
+        ratios = []
+        for _ in range(3000):
+            k = policy.choose(4, draining)
+            probing = policy._probe_left > 0
+            policy.record_step(k, 4, (1.0 + k) * (1.0 + rng.expovariate(10.0)))  # k = 1 twice k = 0, noise 10%
+            if k:
+                policy.record_verifies([(1, 0)] * 4)  # k = 0 stays in use
+            policy.end_step()
+            if k and not probing:  # a probe's last step: its estimate is in
+                ratios.append(policy.cost(1, 4) / policy.cost(0, 4))
+        assert policy._current == 0 and len(ratios) > 100
+        return statistics.median(ratios)
+
+    assert probed_ratio([(40, [0], [0])] * 4) == pytest.approx(2.0, abs=0.05)  # (set against the mean: 1.87)
+    assert probed_ratio(None) == pytest.approx(1.87, abs=0.03)  # an open batch
 
 
 def test_a_probe_is_compared_with_the_depth_in_use_s_recent_steps_of_its_batch_size():
@@ -964,7 +970,7 @@ def test_a_probe_whose_depth_comes_close_keeps_the_probes_coming_and_noisy_timin
         scales = []
         for _ in range(600):
             k = policy.choose(4)
-            policy.record_step(k, 4, (1.0 + 1.1 * k) * rng.uniform(0.9, 1.1))  # +-10% noise
+            policy.record_step(k, 4, (1.0 + 1.1 * k) * rng.uniform(0.85, 1.15))  # +-15% noise
             if k:
                 policy.record_verifies([(1, accept)] * 4)
             policy.end_step()
@@ -974,7 +980,7 @@ def test_a_probe_whose_depth_comes_close_keeps_the_probes_coming_and_noisy_timin
     never = run(0)[300:]  # a draft that never agrees: k = 1 at 1 / 2.1 of k = 0
     assert never.count(4) > 200  # probes every ~64 steps
     close = run(1)[300:]  # every draft agrees: k = 1 at 2 / 2.1 = 0.95 of k = 0, close each time
-    assert close.count(1) > 200 and max(close) <= 2  # (+-10% noise puts it past probe_close now and then)
+    assert close.count(1) > 200 and max(close) <= 2  # (+-15% noise puts it past probe_close now and then)
     with pytest.raises(ValueError, match="probe_close"):
         AdaptivePolicy(1, probe_close=1.0)
 
