@@ -667,16 +667,17 @@ class AdaptivePolicy:
             return
         cost.samples += 1
         cost.live += 1
-        # what a probe at this batch size is compared with (`_record_probe`): a smoothed time, and (closed
-        # batches) its last few steps, the cheapest of which a probe's cheapest is set against
-        reference = self._reference.get((bucket, batch_size))
-        if reference is None:
-            reference = self._reference[(bucket, batch_size)] = [seconds, 0, deque(maxlen=self._probe_timed_steps)]
-        reference[2].append(seconds)
+        raw = seconds
         # A step that ran far from its estimate (a pause of the process, another job's burst on its
         # core) moves it as one 1.5 times off would: one such step made a depth look 50% dearer.
         expected = cost.seconds * load
         seconds = min(max(seconds, expected / self.outlier_ratio), expected * self.outlier_ratio)
+        # what a probe at this batch size is compared with (`_record_probe`): a smoothed time, and (closed
+        # batches) its last few steps as they ran, the cheapest of which a probe's cheapest is set against
+        reference = self._reference.get((bucket, batch_size))
+        if reference is None:
+            reference = self._reference[(bucket, batch_size)] = [seconds, 0, deque(maxlen=self._probe_timed_steps)]
+        reference[2].append(raw)
         reference[0] += self.load_smoothing * (seconds - reference[0])
         reference[1] += 1
         # how much slower than its estimate this k ran just now: the whole bucket's load moves
