@@ -311,6 +311,9 @@ class LLMEngine:
             self.policy.prompts_only()
         k = self.policy.choose(max(1, size), draining)
         batch.num_speculative_tokens = k
+        if k == self.config.num_speculative_tokens:  # (no draft to cut: a decoding row has at most K)
+            batch.num_real_drafts = [seq.num_real_drafts if d else 0 for seq, d in zip(batch.seqs, decoding)]
+            return decoding
         batch.num_real_drafts = []
         for i, seq in enumerate(batch.seqs):
             if decoding[i]:

@@ -339,7 +339,12 @@ k = 3 engine's 64 (bench preset, graph mode, batch 1: ~2% of a 1.9 ms step).
 So `choose` takes a shortcut through the steps that neither revise nor probe
 (the same choice: only counters move), and a single verify (batch 1) is
 counted without the histogram a batch's verifies take: 23 us, and 94 us of
-host time a step.
+host time a step. A closed batch's steps between the drain's revisions take
+the shortcut too. Cold, the drain's cost is mostly its count of array
+operations (several us each, against ~1 warm): its per-sequence estimates are
+made in one pass of the interpreter and only the draws are arrays (engine,
+batch 4, the old code and this one on the same calls, each first on every
+second call: 600 -> 448 us; batch 16: 715 -> 676 us).
 
 Timings are noisy: the start-up seeds each cost with the median of its dummy
 steps (their mean let one slow step of five make k = 0 at batch 4 look 1.7
@@ -623,13 +628,15 @@ class AdaptivePolicy:
             return
         tried_to = [0] * (K + 1)  # sequences whose drafts 1..j were tried, at j
         hit_to = [0] * (K + 1)
-        for real, accepted in verifies:
-            real = min(real, K)
-            accepted = min(accepted, real)
-            tried_to[min(accepted + 1, real)] += 1
+        for real, accepted in verifies:  # (no min(): this runs on every step, between two model steps)
+            if real > K:
+                real = K
+            if accepted > real:
+                accepted = real
+            tried_to[accepted + 1 if accepted < real else real] += 1
             hit_to[accepted] += 1
         tried = hit = 0
-        verified = sum(tried_to[1:])
+        verified = len(verifies) - tried_to[0]  # (real drafts)
         if verified:
             self._verified = True
             self._evidence += verified
@@ -937,24 +944,64 @@ class AdaptivePolicy:
         share of the prior in it towards the ratios of a finished sequence drawn at random, the
         running sequences taking the draw's sequences in the order of their own estimates (module
         docstring)."""
-        own = np.array([self.sequence_expected_tokens(t, a, p) for _, t, a, *_ in draining]).T  # [k, i]
+        inputs = self._drain_inputs(draining, p)
+        own = np.array(inputs[0]).T
+        return own, self._drawn_tokens(own, inputs[1], inputs[2])
+
+    def _drain_inputs(self, draining, p: list[float]) -> tuple[list, list, list, list, list, list, int]:
+        """Per running sequence, in one pass of the interpreter (the drain runs between two model steps,
+        its code and data out of the CPU's caches, where every array operation costs several us: module
+        docstring): its own E_i[k] for k = 0..K (`sequence_expected_tokens`), its order at K (rank 0:
+        fewest tokens a step), the prior's share in its estimate (sequence_prior_weight against its
+        verifies of draft 1), the standard deviation of one step's tokens at each k, its tokens left
+        and its one-token steps to come (at most its tokens left); and the positions the draft has not
+        passed over, summed over the sequences."""
+        K, w = self.max_k, self.sequence_prior_weight
+        shrunk = [w * x for x in p]
+        own, unsure, deviation, left, single, unseen = [], [], [], [], [], 0
+        for d in draining:
+            tried, hits = d[1], d[2]
+            total = run = 1.0
+            square = 0.0
+            e, sd = [1.0], [0.0]
+            for j in range(K):
+                t = tried[j] if j < len(tried) else 0
+                run *= ((hits[j] if j < len(hits) else 0) + shrunk[j]) / (t + w)
+                total += run
+                # one step's tokens: 1 + A, with P(A >= j) = E[j] - E[j - 1]; Var A = sum (2j - 1) P(A >= j) - (E A)^2
+                square += (2 * j + 1) * run
+                e.append(total)
+                sd.append(math.sqrt(max(square - (total - 1.0) ** 2, 0.0)))
+            own.append(e)
+            deviation.append(sd)
+            unsure.append(w / ((tried[0] if tried else 0) + w))
+            r = max(0, d[0])
+            left.append(r)
+            single.append(min(d[4], r) if len(d) > 4 else 0)
+            if len(d) > 3:
+                unseen += d[3]
+        rank = [0] * len(own)
+        for position, i in enumerate(sorted(range(len(own)), key=lambda i: own[i][K])):
+            rank[i] = position
+        return own, rank, unsure, deviation, left, single, unseen
+
+    def _drawn_tokens(self, own: np.ndarray, rank: list[int], unsure: list[float]) -> np.ndarray:
+        """E_i[k] in each of the drain's draws, [k, s, i] (`_spread_tokens`): own [k, i]."""
         if len(self._spread) < 8:
-            return own, own[:, None, :]
+            return own[:, None, :]
         ratios = self._spread_array
         if ratios is None:  # the window's ratios [k, window], its sequences slowest first (at max_k)
             rows = np.array(self._spread)
             ratios = self._spread_array = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")].T)
-        _, picks = self._drain_draws(len(draining))
+        _, picks = self._drain_draws(own.shape[1])
         # each draw's finished sequences, slowest first (the picks are sorted in each draw), to the running
         # ones in the order of their own estimates
-        rank = np.argsort(np.argsort(own[-1], kind="stable"), kind="stable")
         m = ratios[:, (picks * ratios.shape[1]).astype(np.intp)[:, rank]]  # [k, s, i]
-        w = self.sequence_prior_weight
-        unsure = np.array([w / ((t[0] if t else 0) + w) for _, t, *_ in draining])
         # own * (1 + unsure * (m - 1)), at least the one token a step always gains
-        m *= (own * unsure)[:, None, :]
-        m += (own * (1.0 - unsure))[:, None, :]
-        return own, np.maximum(m, 1.0, out=m)
+        part = own * unsure
+        m *= part[:, None, :]
+        m += (own - part)[:, None, :]
+        return np.maximum(m, 1.0, out=m)
 
     def _drain_draws(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The drain's fixed draws for n sequences (the same every choice, so that it repeats): N(0, 1)
@@ -974,32 +1021,28 @@ class AdaptivePolicy:
         its decode steps); at k > 0 the draft's pass over those positions is charged, and a
         sequence's one-token steps (a step that verifies filler: module docstring) come before
         its steps at E_i[k]."""
-        p = self.long_run_acceptance()
-        own, e = self._spread_tokens(draining, p)  # E_i[k]: [k, sequence], and [k, draw, sequence]
-        left = np.array([max(0, r) for r, *_ in draining], dtype=float)
-        single = np.minimum([d[4] if len(d) > 4 else 0 for d in draining], left)  # (at most its tokens left)
-        drafted = left - single  # the tokens of steps at E_i[k]
-        n = len(left)
-        buckets = [batch_bucket(b) for b in range(1, n + 1)]
-        table = {b: self.step_costs(b) for b in set(buckets)}  # each bucket's costs looked up once
-        measured = [k for k in range(self.max_k + 1) if all(table[b][k] is not None for b in buckets)]
+        n = len(draining)
         out: list[float | None] = [None] * (self.max_k + 1)
+        if not n:
+            return out
+        # each bucket's costs, looked up once: buckets 1, 2, 4, ... up to the one of n sequences
+        table = [self.step_costs(1 << j) for j in range((n - 1).bit_length() + 1)]
+        measured = [k for k in range(self.max_k + 1) if all(costs[k] is not None for costs in table)]
         if not measured:
             return out
-        noise, _ = self._drain_draws(n)
-        # one step's tokens: 1 + A, with P(A >= j) = E[j] - E[j - 1]; Var A = sum (2j - 1) P(A >= j) - (E A)^2,
-        # from the sequence's own estimate (in a draw its E_i[k] moves, its variance barely)
-        q = np.maximum(own[1:] - own[:-1], 0.0)  # [k, sequence]
-        gained = np.zeros_like(own)
-        square = np.zeros_like(own)
-        np.cumsum(q, axis=0, out=gained[1:])
-        np.cumsum(q * self._odd[:, None], axis=0, out=square[1:])
-        spread = np.sqrt(drafted * np.maximum(square - gained * gained, 0.0))[:, None, :]  # [k, 1, sequence]
+        own_rows, rank, unsure, deviation, left, single, unseen = self._drain_inputs(draining,
+                                                                                   self.long_run_acceptance())
+        own = np.array(own_rows).T  # E_i[k]: [k, sequence]
+        e = self._drawn_tokens(own, rank, unsure)  # [k, draw, sequence]
+        # a sequence's steps to finish: its one-token steps, then drafted / E steps, with standard deviation
+        # sqrt(drafted Var / E^3) (in a draw its E_i[k] moves, its variance barely)
+        drafted = [r - s for r, s in zip(left, single)]
+        spread = np.array([[math.sqrt(t) * s for s in row] for t, row in zip(drafted, deviation)]).T  # [k, sequence]
         if len(measured) <= self.max_k:
             e, spread = e[measured], spread[measured]
-        # steps to finish: its filler steps, then drafted / E steps, with standard deviation sqrt(drafted Var / E^3)
+        noise, _ = self._drain_draws(n)
         inverse = np.reciprocal(e)
-        draws = spread * noise  # [k, draw, sequence]
+        draws = spread[:, None, :] * noise  # [k, draw, sequence]
         draws *= inverse
         draws *= np.sqrt(inverse)
         inverse *= drafted
@@ -1007,16 +1050,17 @@ class AdaptivePolicy:
         draws += single
         np.maximum(draws, 0.0, out=draws)
         draws.sort(axis=2)
-        finish = draws.mean(axis=1)  # [k, m]: the m-th finish, m = 0..n-1
-        # between the (m-1)-th finish and the m-th, n - m sequences run: sum over m of
-        # (t_m - t_(m-1)) c_m is sum over m of t_m (c_m - c_(m+1)), with c_n = 0
-        running = np.array([[table[b][k] for b in reversed(buckets)] for k in measured])  # [k, m]: c_m
-        running[:, :-1] -= running[:, 1:]
-        seconds = (finish * running).sum(axis=1)
-        unseen = sum(d[3] for d in draining if len(d) > 3) * self.draft_pass_seconds()[0]
-        seconds += np.array([unseen if k else 0.0 for k in measured])
-        total = float(left.sum())
-        for k, sec in zip(measured, seconds.tolist()):
+        # the m-th finish (m = 0..n-1), its mean over the draws, is finish[k, m] / len(noise); between the
+        # (m-1)-th finish and the m-th, n - m sequences run: sum over m of (t_m - t_(m-1)) c_m is sum over m
+        # of t_m (c_m - c_(m+1)), with c_n = 0, c_m the cost of a step of n - m sequences
+        finish = draws.sum(axis=1)
+        steps = [table[(n - m - 1).bit_length()] for m in range(n)] + [[0.0] * (self.max_k + 1)]
+        running = np.array([[steps[m][k] - steps[m + 1][k] for m in range(n)] for k in measured])
+        seconds = (finish * running).sum(axis=1).tolist()
+        pass_seconds = unseen * self.draft_pass_seconds()[0]
+        total = float(sum(left))
+        for k, sec in zip(measured, seconds):
+            sec = sec / len(noise) + (pass_seconds if k else 0.0)
             out[k] = total / sec if sec > 0 else float("inf")
         return out
 
@@ -1028,12 +1072,9 @@ class AdaptivePolicy:
         position, accepted per position) of every running sequence, or a function that returns them
         (called only on the steps that revise the choice, with batch_size taken for their number);
         with two or more, the k that finishes them soonest is chosen (module docstring)."""
-        if (batch_size == self._steady_size and self._revise_wait and not self._probe_left
-                and self._probe_timed is None and (self._until_probe > 1 or self._untimed)
-                and (draining is None or (batch_size <= 1 if callable(draining) else len(draining) <= 1))):
-            # (most steps: an open batch of the size of the last choice, between revisions, no probe due;
-            # what _choose does then, with less of the interpreter's time between two model steps)
-            self._revise_wait -= 1
+        if self._steady(batch_size, draining):
+            # (most steps: between revisions, no probe due; what _choose does then, with less of the
+            # interpreter's time between two model steps)
             self._since_probe += 1
             self._until_probe -= 1
             k = self._current
@@ -1044,6 +1085,24 @@ class AdaptivePolicy:
         if self._untimed:
             self._untimed -= 1
         return k
+
+    def _steady(self, batch_size: int, draining) -> bool:
+        """Whether this step neither revises the choice nor probes (`choose`'s shortcut), counting it down
+        as `_choose` would: an open batch of the size of the last choice between revisions, or a closed
+        one, no larger, in a bucket no smaller than the one the drain's last choice was made at."""
+        if self._probe_left or self._probe_timed is not None or (self._until_probe <= 1 and not self._untimed):
+            return False
+        if draining is None or (batch_size <= 1 if callable(draining) else len(draining) <= 1):
+            if batch_size != self._steady_size or not self._revise_wait:
+                return False
+            self._revise_wait -= 1
+        else:
+            if not (self._probe_closed and self._drain_wait and batch_size <= self._last_batch
+                    and 2 * batch_size > self._drain_bucket):
+                return False
+            self._drain_wait -= 1
+            self._last_batch = batch_size
+        return True
 
     def prompts_only(self) -> None:
         """The next step only prefills prompts (no sequence decodes in it): a probe under way ends now. Its

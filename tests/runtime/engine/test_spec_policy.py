@@ -1290,6 +1290,55 @@ def test_choose_s_shortcut_between_revisions_picks_what_the_full_choice_would():
     assert shortcuts > 1000 and len(set(fast)) == 4  # (it was taken, and every depth ran)
 
 
+def test_choose_s_shortcut_through_a_closed_batch_picks_what_the_full_choice_would():
+    """A closed batch's steps between the drain's revisions take the shortcut too: batches of 2 to 32
+    that drain to their last sequence, a draft that turns bad and back, probes and falls to smaller
+    buckets, chosen the same as by a policy made to take the full path every step. (drain_budget is
+    set out of the way: the wait it sets follows how long the drain's estimate took.)"""
+
+    class Full(AdaptivePolicy):
+        def _steady(self, batch_size, draining):
+            return False
+
+    def run(policy):
+        rng = random.Random(4)
+        for k in range(policy.max_k + 1):
+            for b in (1, 2, 4, 8, 16, 32):
+                policy.seed_step_cost(k, b, [1.0 + 0.1 * k * b])
+        chosen, shortcuts, step = [], 0, 0
+        for _ in range(60):
+            left = [rng.randint(10, 60) for _ in range(rng.choice([2, 3, 4, 8, 16, 32]))]
+            tried, hits = [[0] * 3 for _ in left], [[0] * 3 for _ in left]
+            while any(r > 0 for r in left):
+                running = [i for i, r in enumerate(left) if r > 0]
+                good = (step // 500) % 2 == 0
+                step += 1
+                shortcuts += (policy._probe_closed and policy._drain_wait > 0 and not policy._probe_left
+                              and len(running) <= policy._last_batch and 2 * len(running) > policy._drain_bucket)
+                k = policy.choose(len(running), lambda: [(left[i], tried[i], hits[i]) for i in running])
+                chosen.append(k)
+                accepted = [sum(rng.random() < (0.9 if good else 0.1) for _ in range(k)) for _ in running]
+                if k:
+                    policy.record_verifies([(k, a) for a in accepted])
+                for i, a in zip(running, accepted):
+                    left[i] -= 1 + a
+                    for j in range(min(a + 1, k)):
+                        tried[i][j] += 1
+                    for j in range(a):
+                        hits[i][j] += 1
+                    if left[i] <= 0:
+                        policy.record_finished(tried[i], hits[i])
+                policy.record_step(k, len(running), (1.0 + 0.1 * k * len(running)) * rng.uniform(0.9, 1.2))
+                policy.record_overhead(k, len(running), 0.1 * rng.uniform(0.8, 1.2))
+                policy.end_step()
+        return chosen, shortcuts
+
+    fast, shortcuts = run(AdaptivePolicy(3, seed=2, drain_budget=1e9))
+    full, _ = run(Full(3, seed=2, drain_budget=1e9))
+    assert fast == full
+    assert shortcuts > len(fast) // 2 and len(set(fast)) == 4  # (it was taken, and every depth ran)
+
+
 def test_a_step_that_only_prefills_ends_the_probe_under_way():
     """A probe that a batch's tail began would run on into the next batch: its prompts prefilled at the
     probed depth (the draft's pass over them) and its first, cold steps. The engine tells the policy
