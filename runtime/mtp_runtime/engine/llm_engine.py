@@ -291,10 +291,24 @@ class LLMEngine:
         """Ask the policy for this step's k and cut every verifying sequence's drafts to it; returns
         which rows decode (they verified drafts before the cut)."""
         decoding = [nd > 0 for nd in batch.num_draft_tokens]
-        if not self.policy.adaptive:
-            # (filler, where a prompt's first drafts were deferred, is no draft: ModelRunner._set_drafts)
-            batch.num_real_drafts = [seq.num_real_drafts if d else 0 for seq, d in zip(batch.seqs, decoding)]
-            return decoding
+        if self.policy.adaptive:
+            k = batch.num_speculative_tokens = self._ask_policy(batch, decoding)
+            if k < self.config.num_speculative_tokens:  # (at K no draft is cut: a decoding row has at most K)
+                for i, seq in enumerate(batch.seqs):
+                    if decoding[i]:
+                        if len(seq.draft_token_ids) > k:
+                            seq.draft_token_ids = seq.draft_token_ids[:k]
+                            if seq.draft_probs is not None:
+                                seq.draft_probs = seq.draft_probs[:k]
+                        if seq.num_real_drafts > k:
+                            seq.num_real_drafts = k
+                        batch.num_draft_tokens[i] = k
+        # (filler, where a prompt's first drafts were deferred, is no draft: ModelRunner._set_drafts)
+        batch.num_real_drafts = [seq.num_real_drafts if d else 0 for seq, d in zip(batch.seqs, decoding)]
+        return decoding
+
+    def _ask_policy(self, batch: ScheduledBatch, decoding: list[bool]) -> int:
+        """The adaptive policy's k for this step."""
         draining = None
         if self.closed_batch and not self.scheduler.waiting and self._inbox.empty():
             running = self.scheduler.running
@@ -309,23 +323,7 @@ class LLMEngine:
             # through too fast to measure, and the draft passed over the prompts at k = 2 or 3.)
             size = min(self.config.max_seqs_per_batch, len(self.scheduler.running) + len(self.scheduler.waiting))
             self.policy.prompts_only()
-        k = self.policy.choose(max(1, size), draining)
-        batch.num_speculative_tokens = k
-        if k == self.config.num_speculative_tokens:  # (no draft to cut: a decoding row has at most K)
-            batch.num_real_drafts = [seq.num_real_drafts if d else 0 for seq, d in zip(batch.seqs, decoding)]
-            return decoding
-        batch.num_real_drafts = []
-        for i, seq in enumerate(batch.seqs):
-            if decoding[i]:
-                if len(seq.draft_token_ids) > k:
-                    seq.draft_token_ids = seq.draft_token_ids[:k]
-                    if seq.draft_probs is not None:
-                        seq.draft_probs = seq.draft_probs[:k]
-                if seq.num_real_drafts > k:
-                    seq.num_real_drafts = k
-                batch.num_draft_tokens[i] = k
-            batch.num_real_drafts.append(seq.num_real_drafts if decoding[i] else 0)
-        return decoding
+        return self.policy.choose(max(1, size), draining)
 
     def step(self) -> list[RequestOutput]:
         entered = time.perf_counter()
