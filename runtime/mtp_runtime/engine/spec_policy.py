@@ -91,7 +91,8 @@ the gap seldom grew, and with a draft that never agreed an engine held at k =
 ones run cold and are not timed, and at a higher k than the one before it
 verifies filler for the drafts the earlier step did not make (engine:
 `Sequence.num_real_drafts`; only real drafts are counted as evidence). Its
-timed steps count as one, the cheapest: a step's time is its cost plus
+timed steps count as one (a closed batch's cheapest, an open batch's mean,
+below): a step's time is its cost plus
 whatever else held the core then, and one timed step a probe set a depth's
 cost for hundreds of steps on the noise of one (served at concurrency 2,
 probes put a k = 3 step at batch 2 at 2.8-3.5 ms against k = 2's 1.6, and the
@@ -246,11 +247,11 @@ server at concurrency 32 (32 requests of 64 tokens, at about 2 tokens a
 step, admit about one request a step) timed few steps, its probes hardly
 any, and its costs stayed near the start-up's, from dummy steps at 48 cached
 tokens. A probe tells how its depth compares with the one in use: its
-cheapest timed step is set against the depth in use's recent steps of the
+timed steps are set against the depth in use's recent steps of the
 same batch size (a smoothed time per batch size, kept from the depth in
 use's timed steps and dropped when the depth in use changes), and their
 ratio, times the depth in use's cost, is the probed depth's. Noise only
-slows a step, so the probe's cheapest against a smoothed mean makes a probed
+slows a step, so a probe's cheapest step against a smoothed mean makes a probed
 depth look cheaper than it runs: on a machine whose same work took 0.93-1.41
 times its median, closed batches of 4 at k = 3 had a probe put k = 2 at
 0.757 of k = 3's step where the two ran 0.785 of each other, and ran a
@@ -259,10 +260,16 @@ simulated probe of twice the depth in use's cost, noise 10%: put at 1.87
 times it). In a closed batch, whose batch size steps down and whose last
 steps are those just before the probe, it is set against the cheapest of
 the depth in use's last steps of its size, as many as a probe times (the
-same simulation: 2.0). An open batch keeps the smoothed time: with the
-cheapest there too, a server at concurrency 32 fell to k = 0 (mean k 0.2)
-where fixed k = 3 ran 1.3-1.4 times faster (not traced; a batch size's
-last steps in a server can lie hundreds of steps apart). It counts once the depth in
+same simulation: 2.0). In an open batch a batch size's last steps can lie
+hundreds of steps apart, and with the cheapest of them a server at
+concurrency 32 fell to k = 0 (mean k 0.2) where fixed k = 3 ran 1.3-1.4
+times faster; the cheapest against the smoothed time, served at
+concurrency 4 on a machine whose step times there spread 1.5 times, put
+k = 1 at 0.55 of k = 2's step where they run 0.68 of each other, and the
+policy fell to k = 1 (0.81 of the best fixed k). So there the mean of the
+probe's timed steps, each bounded to outlier_ratio off its depth's
+estimate as the depth in use's are, is set against the smoothed time (the
+simulation: 2.0). It counts once the depth in
 use has timed `reference_steps` (4) steps of that size: its first steps
 after another depth's run cold past the two that are not timed (k = 0
 after k = 3: 1.26, 1.15, 1.09x from the third on), and an engine at batch
@@ -445,7 +452,7 @@ class AdaptivePolicy:
     # ... and a probe whose steps cost more than the depth in use's waits until that extra is at most this
     # share of the time since the last probe (module docstring)
     probe_budget: float = 0.02
-    probe_steps: int = 6  # (module docstring: its timed steps count as one, the cheapest)
+    probe_steps: int = 6  # (module docstring: its timed steps count as one)
     # a depth whose cost in a bucket is the start-up's alone is probed at once, up to this many times (module
     # docstring)
     early_probes: int = 3
@@ -506,7 +513,8 @@ class AdaptivePolicy:
     _current: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
     _probe_k: int = field(init=False, default=0)
-    # the probe's timed steps so far: (k, bucket, the cheapest one's cost at unit load, its batch size)
+    # the probe's timed steps so far: (k, bucket, their cost at unit load (a closed batch's cheapest, an open
+    # batch's mean), the batch size of its last step or the cheapest, how many were timed)
     _probe_timed: tuple | None = field(init=False, default=None)
     _until_probe: int = field(init=False, default=0)
     _probe_turns: dict[int, int] = field(init=False, default_factory=dict)  # per bucket: probe times so far
@@ -694,26 +702,35 @@ class AdaptivePolicy:
 
     def _record_probe(self, k: int, bucket: int, batch_size: int, seconds: float, cost: _Cost) -> None:
         """A timed step at a depth not in use (a probe): how it compares with the depth in use's recent
-        steps of the same batch size gives this depth's own cost. A probe's timed steps count as one, the
-        cheapest of them (module docstring), once its last step is in."""
+        steps of the same batch size gives this depth's own cost. A probe's timed steps count as one (a
+        closed batch's cheapest, an open batch's mean: module docstring), once its last step is in."""
         reference = self._reference.get((bucket, batch_size))
         base = self._costs.get((self._current, bucket))
         if reference is None or reference[1] < self.reference_steps or base is None:
             return  # the depth in use has not run this batch size lately, or only its first, cold steps
-        # this depth's cost at unit load (module docstring: closed batches set it against the cheapest)
-        unit = seconds / (min(reference[2]) if self._probe_closed else reference[0]) * base.seconds
         pending = self._probe_timed
         if pending is not None and pending[:2] != (k, bucket):
             self._end_probe()  # (its timed steps fell in two buckets: each counts in its own)
-        elif pending is not None and unit >= pending[2]:
-            unit, batch_size = pending[2:]
-        self._probe_timed = (k, bucket, unit, batch_size)
+            pending = None
+        # this depth's cost at unit load (module docstring): a closed batch's cheapest step against the
+        # cheapest of the depth in use's last ones, an open batch's mean against their smoothed mean
+        timed = 1 if pending is None else pending[4] + 1
+        if self._probe_closed:
+            unit = seconds / min(reference[2]) * base.seconds
+            if pending is not None and unit >= pending[2]:
+                unit, batch_size = pending[2:4]
+        else:  # (each step bounded as the depth in use's are, then the running mean)
+            unit = seconds / reference[0] * base.seconds
+            unit = min(max(unit, cost.seconds / self.outlier_ratio), cost.seconds * self.outlier_ratio)
+            if pending is not None:
+                unit = pending[2] + (unit - pending[2]) / timed
+        self._probe_timed = (k, bucket, unit, batch_size, timed)
         if not self._probe_left:  # (a step recorded outside a probe, or a probe's last)
             self._end_probe()
 
     def _end_probe(self) -> None:
-        """A probe's cheapest timed step sets its depth's cost, fast (module docstring)."""
-        k, bucket, unit, batch_size = self._probe_timed
+        """A probe's timed steps, as one, set its depth's cost, fast (module docstring)."""
+        k, bucket, unit, batch_size, _ = self._probe_timed
         self._probe_timed = None
         cost = self._costs[(k, bucket)]
         cost.samples += 1
