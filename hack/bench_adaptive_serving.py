@@ -55,6 +55,9 @@ def parse_args() -> argparse.Namespace:
                    help="each client's requests at a level (with --requests-per-level 0)")
     p.add_argument("--rounds", type=int, default=2, help="turns of the servers within a level")
     p.add_argument("--repeats", type=int, default=3, help="sweeps over all levels")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help="which servers run (k=0 and the adaptive one always do): a comma-separated subset of "
+                        + ", ".join(SETTINGS))
     p.add_argument("--serve-args", default="--max_seqs_per_batch 32",
                    help="extra `mtp serve` flags for every server")
     return p.parse_args()
@@ -74,13 +77,18 @@ def main() -> None:
     spread_error = output_spread_error(args.output_spread, args.output_len)
     if spread_error:
         raise SystemExit(spread_error)
+    chosen = {label.strip() for label in args.settings.split(",") if label.strip()} | {"k=0", "adaptive K=3"}
+    unknown = sorted(chosen - set(SETTINGS))
+    if unknown:
+        raise SystemExit(f"--settings: unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(SETTINGS)}")
+    settings = {label: flags for label, flags in SETTINGS.items() if label in chosen}
     args.out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     tokenizer = load_tokenizer(args.model_dir)
     extra = args.serve_args.split()
     servers = {}
     try:
-        for label, flags in SETTINGS.items():
+        for label, flags in settings.items():
             draft = ["--draft_model", args.model_dir] if flags else []
             servers[label] = LocalServer(["--model", args.model_dir, *draft, *flags, *extra], 900.0)
         urls = {label: server.base_url for label, server in servers.items()}
@@ -118,7 +126,7 @@ def main() -> None:
     def ratio(label: str, base: str, c: int) -> float:
         return statistics.median(a / b for a, b in zip(samples[label][c], samples[base][c]))
 
-    fixed = [label for label in SETTINGS if not label.startswith("adaptive")]
+    fixed = [label for label in settings if not label.startswith("adaptive")]
     summary = {
         "tokens_per_s": {label: {c: statistics.median(samples[label][c]) for c in levels} for label in urls},
         "speedup_over_k0": {label: {c: ratio(label, "k=0", c) for c in levels} for label in urls},

@@ -363,7 +363,9 @@ step more than `outlier_ratio` (1.5) times off its estimate moves it as one
 from __future__ import annotations
 
 import bisect
+import json
 import math
+import os
 import random
 import statistics
 import time
@@ -372,6 +374,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+TRACE_ENV = "MTP_SPEC_POLICY_TRACE"  # a file: the adaptive policy appends one JSON line per revision and probe
 MAX_DRAIN_INTERVAL = 32  # steps between a closed batch's revisions, at most (AdaptivePolicy.drain_budget)
 
 
@@ -490,6 +493,9 @@ class AdaptivePolicy:
     request_decay: float = 0.95  # per finished request, for the prompt tokens drafted per output token
     overhead_smoothing: float = 0.1  # weight of a step's host time in its (k, bucket) estimate
     seed: int = 0
+    # where each full choice and each probe's result go, one JSON object a line (make_policy: $MTP_SPEC_POLICY_TRACE);
+    # None: nowhere. Only the steps that revise the choice or end a probe write, not the shortcut's.
+    trace: object = None
     adaptive = True
     # Decayed counts, stored scaled: a count is the stored value / its scale. Decaying every count each
     # step is then one division of the scale (the policy's bookkeeping is paid on every decode step).
@@ -737,8 +743,14 @@ class AdaptivePolicy:
         unit = min(max(unit, cost.seconds / self.outlier_ratio), cost.seconds * self.outlier_ratio)
         # the first step served at this depth replaces the start-up's estimate (module docstring)
         weight = max(self.probe_cost_smoothing, 1.0 / cost.samples) if cost.live else 1.0
+        before = cost.seconds
         cost.seconds += weight * (unit - cost.seconds)
         cost.live += 1
+        if self.trace is not None:
+            self._write_trace("probe_result", k=k, bucket=bucket, batch=batch_size, current=self._current,
+                              measured=unit, before=before, after=cost.seconds, load=self._load.get(bucket, 1.0),
+                              current_unit=self._costs[(self._current, bucket)].seconds
+                              if (self._current, bucket) in self._costs else None)
         scores = self.scores(batch_size)  # (its verifies, if any, are in: the engine records them first)
         if scores[self._current] and (scores[k] or 0.0) >= (1.0 - self.probe_close) * scores[self._current]:
             self._probe_close_call = True
@@ -1203,6 +1215,9 @@ class AdaptivePolicy:
                 self._current = best
                 self._reference.clear()  # (the last depth's)
                 self._probe_scale = 1
+            if self.trace is not None:
+                self._write_trace("choice", batch=batch_size, closed=closed, k=self._current, scores=scores,
+                                  costs=self.step_costs(max(1, batch_size)), acceptance=self.acceptance())
         self._since_probe += 1
         self._until_probe -= 1
         if self._untimed:  # (a probe's steps would not be timed)
@@ -1278,6 +1293,8 @@ class AdaptivePolicy:
 
     def _start_probe(self, k: int) -> int:
         self._probe_k, self._probe_left = k, self.probe_steps - 1
+        if self.trace is not None:
+            self._write_trace("probe", k=k, current=self._current, batch=self._last_batch)
         # the step after the probe weighs its evidence, in an open batch or a closed one (a closed batch's
         # probe of k = 0 was weighed only at the drain's next revision, up to 32 steps later)
         self._revise_wait = self._drain_wait = 0
@@ -1288,12 +1305,27 @@ class AdaptivePolicy:
         spread = interval // 4
         return interval + self._rng.randint(-spread, spread)
 
+    def _write_trace(self, event: str, **fields) -> None:
+        """One line of the trace: the event, the time (perf_counter seconds), its fields, and the host time
+        a step per bucket."""
+        record = {"event": event, "t": round(time.perf_counter(), 6), **fields,
+                  "overhead": {str(b): s for b, s in sorted(self._overhead.items())}}
+        self.trace.write(json.dumps(record) + "\n")
+
     def describe(self) -> dict:
         return {"speculative_policy": "adaptive", "num_speculative_tokens": self.max_k}
 
 
 def make_policy(num_speculative_tokens: int, adaptive: bool, seed: int = 0):
-    """The engine's policy for its settings: adaptive depth up to K, or every step at K."""
+    """The engine's policy for its settings: adaptive depth up to K, or every step at K. With
+    $MTP_SPEC_POLICY_TRACE naming a file, an adaptive policy appends its trace there (line-buffered)."""
     if adaptive:
-        return AdaptivePolicy(num_speculative_tokens, seed=seed)
+        path = os.environ.get(TRACE_ENV, "").strip()
+        trace = None
+        if path:
+            try:
+                trace = open(path, "a", buffering=1, encoding="utf-8")
+            except OSError as e:
+                raise ValueError(f"${TRACE_ENV}={path!r}: cannot open the policy's trace file: {e}") from e
+        return AdaptivePolicy(num_speculative_tokens, seed=seed, trace=trace)
     return FixedPolicy(num_speculative_tokens)

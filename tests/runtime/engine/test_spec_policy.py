@@ -1355,3 +1355,33 @@ def test_a_step_that_only_prefills_ends_the_probe_under_way():
     policy.prompts_only()
     assert policy.choose(4) == 0 and policy._probe_left == 0  # ... until a step only prefills
     assert policy.choose(4) == 0
+
+
+def test_the_trace_records_each_revision_probe_and_probe_result_and_a_bad_path_names_the_variable(
+        tmp_path, monkeypatch):
+    import io
+    import json
+
+    trace = io.StringIO()
+    run_policy(_seeded(AdaptivePolicy(3, trace=trace, probe_interval=16), lambda k, b: 1.0 + 0.15 * k),
+               lambda step: 0.0 if step >= 100 else 0.9, 300)
+    records = [json.loads(line) for line in trace.getvalue().splitlines()]
+    events = {r["event"] for r in records}
+    assert events == {"choice", "probe", "probe_result"}
+    choices = [r for r in records if r["event"] == "choice"]
+    assert choices[0]["k"] == 3 and choices[-1]["k"] == 0  # it fell back once the draft went bad
+    assert all(len(r["scores"]) == len(r["costs"]) == 4 and len(r["acceptance"]) == 3 for r in choices)
+    results = [r for r in records if r["event"] == "probe_result"]
+    assert results and all(r["k"] != r["current"] and r["after"] > 0 for r in results)
+    assert [r["t"] for r in records] == sorted(r["t"] for r in records)
+    assert AdaptivePolicy(3).trace is None  # (make_policy without the variable: no trace, no file)
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("MTP_SPEC_POLICY_TRACE", str(path))
+    policy = make_policy(3, True)
+    run_policy(policy, lambda step: 0.9, 50)
+    assert json.loads(path.read_text().splitlines()[0])["event"] in ("choice", "probe")
+    assert make_policy(3, False).describe()["speculative_policy"] == "fixed"  # (fixed k: no trace)
+    monkeypatch.setenv("MTP_SPEC_POLICY_TRACE", str(tmp_path / "missing" / "trace.jsonl"))
+    with pytest.raises(ValueError, match=r"MTP_SPEC_POLICY_TRACE.*missing"):
+        make_policy(3, True)
