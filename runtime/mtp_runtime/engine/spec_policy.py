@@ -302,7 +302,13 @@ the depth in use's (the start-up's errors above were 15-25% of a step). The
 engine benchmark's closed batches of 32, where k = 0 led and the start-up put
 k = 2 and 3 at 0.78 and 0.67 of it, probed both at once, 6 steps each at 3.3
 and 4.5 times k = 0's step: the first batches of 32 ran 0.85-0.92 of fixed
-k = 0. A depth out of reach is left to the probes that probe_budget paces.
+k = 0. A depth out of reach is left to the probes that probe_budget paces, in a closed batch. An
+open batch (a server, whose life is long next to 4 steps per depth and bucket) probes every depth
+early: served at concurrency 32 the start-up, its dummy steps as noisy as served ones, put k = 2 at
+batch 32 at 2.5 times k = 1's step where it ran about 1.5 times (quiet, its dummy steps said 1.5),
+its score at 0.55 of k = 1's; the paced probes, priced on that estimate, came 1000+ steps apart, and
+the policy held k = 1 for the whole level (0.89 of fixed k = 3). And a probe's step counts up to
+outlier_ratio squared off an estimate that is the start-up's alone, not outlier_ratio.
 
 While the policy holds k = 0, nothing is learnt of the drafts until the
 next probe, and the last probe's verifies are the best estimate there is;
@@ -727,7 +733,8 @@ class AdaptivePolicy:
                 unit, batch_size = pending[2:4]
         else:  # (each step bounded as the depth in use's are, then the running mean)
             unit = seconds / reference[0] * base.seconds
-            unit = min(max(unit, cost.seconds / self.outlier_ratio), cost.seconds * self.outlier_ratio)
+            bound = self._probe_bound(cost)
+            unit = min(max(unit, cost.seconds / bound), cost.seconds * bound)
             if pending is not None:
                 unit = pending[2] + (unit - pending[2]) / timed
         self._probe_timed = (k, bucket, unit, batch_size, timed)
@@ -740,7 +747,8 @@ class AdaptivePolicy:
         self._probe_timed = None
         cost = self._costs[(k, bucket)]
         cost.samples += 1
-        unit = min(max(unit, cost.seconds / self.outlier_ratio), cost.seconds * self.outlier_ratio)
+        bound = self._probe_bound(cost)
+        unit = min(max(unit, cost.seconds / bound), cost.seconds * bound)
         # the first step served at this depth replaces the start-up's estimate (module docstring)
         weight = max(self.probe_cost_smoothing, 1.0 / cost.samples) if cost.live else 1.0
         before = cost.seconds
@@ -754,6 +762,11 @@ class AdaptivePolicy:
         scores = self.scores(batch_size)  # (its verifies, if any, are in: the engine records them first)
         if scores[self._current] and (scores[k] or 0.0) >= (1.0 - self.probe_close) * scores[self._current]:
             self._probe_close_call = True
+
+    def _probe_bound(self, cost: _Cost) -> float:
+        """How far off its depth's estimate a probe's step counts: outlier_ratio, or its square where the
+        estimate is the start-up's alone (served, one of them was 1.6 times what the depth ran)."""
+        return self.outlier_ratio if cost.live else self.outlier_ratio ** 2
 
     def record_overhead(self, k: int, batch_size: int, seconds: float) -> None:
         """A decode step's host time outside the model (a step at depth k): from its start to the next
@@ -1273,10 +1286,12 @@ class AdaptivePolicy:
         bucket = batch_bucket(max(1, batch_size))
         if self._reference.get((bucket, batch_size), (0, 0))[1] < self.reference_steps:
             return None
+        # (an open batch's, a server's, probes every depth once a bucket: a few steps in its life)
+        floor = (1.0 - self.early_reach) * scores[self._current] if self._probe_closed else 0.0
         for k in range(self.max_k + 1):
             cost = self._costs.get((k, bucket))
             if k != self._current and cost is not None and not cost.live and cost.early < self.early_probes \
-                    and scores[k] >= (1.0 - self.early_reach) * scores[self._current]:
+                    and scores[k] >= floor:
                 cost.early += 1
                 return k
         return None

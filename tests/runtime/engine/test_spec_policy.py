@@ -674,20 +674,36 @@ def test_a_depth_known_only_from_the_start_up_is_probed_at_once_and_its_first_ti
         again.record_step(k, 30 if k == 0 else 31, real[k])  # a probe's rows never match k = 0's
         chosen.append(k)
     assert chosen.count(1) == 4 * again.early_probes and again.cost(1, 30) == pytest.approx(2.0)
-    # a depth the start-up puts more than early_reach below the depth in use waits for the paced probes
-    # (closed batches of 32, k = 2 and 3 at 0.78 and 0.67 of k = 0: their early probes cost the first
-    # batches 8-15%)
-    far = AdaptivePolicy(1, probe_steps=4, prior_weight=1e-9, probe_interval=10**6)
-    for k in range(2):
-        far.seed_step_cost(k, 32, [seeded[k]] * 3)
-    far.record_verifies([(1, 1)] * 3 + [(1, 0)] * 2)  # E[1] = 1.6: 0.8 of k = 0's score ...
-    far.record_verifies([(1, 0)])  # ... and now 1.5, 0.75
+    # In a closed batch, a depth the start-up puts more than early_reach below the depth in use waits for
+    # the paced probes (closed batches of 32, k = 2 and 3 at 0.78 and 0.67 of k = 0: their early probes cost
+    # the first batches 8-15%). An open batch (a server) probes it all the same: served at concurrency 32,
+    # the start-up put k = 2 at 2.5 times k = 1's step where it ran about 1.5 times, its score at 0.55 of
+    # k = 1's, and with the paced probes 1000+ steps apart the policy held k = 1 for the whole level,
+    # where k = 3 ran 6% faster. There a probe's step counts up to outlier_ratio squared off the start-up's
+    # estimate: k = 1 put at twice its cost is set right by the one probe.
+    def far_policy():
+        far = AdaptivePolicy(1, probe_steps=4, prior_weight=1e-9, probe_interval=10**6)
+        far.seed_step_cost(0, 32, [1.0] * 3)
+        far.seed_step_cost(1, 32, [3.0] * 3)  # (real: 1.5)
+        far.record_verifies([(1, 1)] * 3 + [(1, 0)] * 2)  # E[1] = 1.6: 0.53 of k = 0's score ...
+        far.record_verifies([(1, 0)])  # ... and now 1.5, 0.5
+        return far
+
+    closed = far_policy()
     chosen = []
     for i in range(40):
-        k = far.choose(30)
-        far.record_step(k, 30, real[k])
+        k = closed.choose(30, [(60, [0], [0])] * 30)
+        closed.record_step(k, 30, real[k])
         chosen.append(k)
-    assert chosen == [0] * 40 and not far._costs[(1, 32)].live
+    assert chosen == [0] * 40 and not closed._costs[(1, 32)].live
+    served = far_policy()
+    chosen = []
+    for i in range(40):
+        k = served.choose(30)
+        served.record_step(k, 30, real[k])
+        chosen.append(k)
+    assert chosen[:8] == [0] * 4 + [1] * 4 and set(chosen[8:]) == {0}, chosen  # (k = 1 now ties: 1.5 for 1.5)
+    assert served.cost(1, 30) / served.cost(0, 30) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="early_reach=1.5"):
         AdaptivePolicy(1, early_reach=1.5)
     with pytest.raises(ValueError, match="early_probes=-1"):
