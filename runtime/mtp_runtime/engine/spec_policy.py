@@ -331,11 +331,16 @@ k 0.15-0.7 over a level, 0.82-0.90x the best fixed k), where k = 3 ran
 depth it left `recheck_steps` (32) later, whatever that costs, once; a
 draft gone bad pays one probe for it. (A closed batch's choice already
 weighs each sequence's own and the long-run acceptance.) A fall to k = 0
-at a change of bucket is no dip: the engine benchmark's closed batches of
+at a change of bucket may be no dip: the engine benchmark's closed batches of
 32 end with one sequence at k = 3, the next batch's first (open) step fell
 to k = 0 at 32, and the recheck then probed k = 3 at batch 32 in every
-batch, three steps at 4.5 times k = 0's (~10% of the batch's time). Only a
-fall within a bucket is rechecked.
+batch, three steps at 4.5 times k = 0's (~10% of the batch's time). So a
+recheck that comes due in a closed batch is dropped. (It used to be that
+only a fall within a bucket was rechecked; served at concurrency 32, a
+level's first steps, after the last level's tail of a few sequences had
+put p_1 and p_2 at 0.68 and 0.57, fell to k = 0 as the batch grew to 32,
+and held it for 3 s, ~120 steps, until the paced probe of k = 2 brought
+k = 3 back: ~40% of the server's turn.)
 
 The choice itself is cheap but not free (the scores: 4 us at batch 1, 7 at
 batch 16, where a graph-mode step at batch 1 is 0.8 ms), and from one step to
@@ -1223,7 +1228,7 @@ class AdaptivePolicy:
             best = max(range(len(scores)), key=lambda k: scores[k])
             current = scores[self._current]
             if best != self._current and scores[best] > current * (1 + self.switch_margin):
-                if best == 0 and not closed and not moved:  # the depth left is probed again soon (module docstring)
+                if best == 0 and not closed:  # the depth left is probed again soon (module docstring)
                     self._recheck, self._until_probe = self._current, self.recheck_steps
                 self._current = best
                 self._reference.clear()  # (the last depth's)
@@ -1238,7 +1243,7 @@ class AdaptivePolicy:
         if self._until_probe <= 0 and self._recheck:
             target, self._recheck = self._recheck, 0
             self._until_probe = self._next_probe_gap()
-            if self._current == 0:
+            if self._current == 0 and not closed:  # (a closed batch weighs the long-run acceptance)
                 return self._start_probe(target)
         if self._until_probe <= 0:
             # each bucket takes its own turns: a server whose batch fell to 1 and rose to 32 at every turn of

@@ -1047,17 +1047,37 @@ def _steps(policy: AdaptivePolicy, steps: int, batch, cost, verifies) -> list[in
     return chosen
 
 
-def test_a_fall_to_k_0_at_a_change_of_batch_size_is_not_rechecked():
+def test_a_fall_to_k_0_at_a_change_of_batch_size_is_rechecked_in_an_open_batch_only():
     """The engine benchmark's closed batches of 32 end with one sequence at k = 3, and the next batch's first
     (open) step falls to k = 0 at 32: no dip of the drafts, only a batch where k = 3 costs 4.4 times k = 0.
-    Rechecked, k = 3 was probed there in every batch (~10% of its time). Only a fall within a bucket is."""
+    Rechecked, k = 3 was probed there in every batch (~10% of its time): a recheck due in a closed batch is
+    dropped. Served, a level's first steps fell to k = 0 as the batch grew, on the last level's tail's
+    acceptance, and held it for ~120 steps until a paced probe: an open batch is rechecked."""
     unit = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 16: {0: 1.0, 1: 2.2, 2: 3.3, 3: 4.4}}
-    policy = _seeded(AdaptivePolicy(3, prior_weight=1e-9, seed=2), lambda k, b: unit.get(b, unit[16])[k])
-    policy.record_verifies([(3, 3)] * 30 + [(3, 0)] * 2)
-    chosen = _steps(policy, 120, lambda i: 1 if i < 40 else 16, lambda k, b: unit[b][k],
-                    lambda k, b: [(k, k)] * 15 + [(k, 0)])
-    assert chosen[20:40] == [3] * 20 and chosen[40] == 0
-    assert chosen[41:120] == [0] * 79  # (the budget's wait at batch 16: 3 x 3.4 / 0.02 steps)
+
+    def run(closed_after_first_step):
+        policy = _seeded(AdaptivePolicy(3, prior_weight=1e-9, seed=2), lambda k, b: unit.get(b, unit[16])[k])
+        policy.record_verifies([(3, 3)] * 30 + [(3, 0)] * 2)
+        chosen = []
+        for i in range(120):
+            b = 1 if i < 40 else 16
+            draining = [(60, [10], [10])] * b if closed_after_first_step and i > 40 else None
+            k = policy.choose(b, draining)
+            chosen.append(k)
+            if k:
+                policy.record_verifies([(k, k)] * (b - 1) + [(k, 0)])
+            policy.record_step(k, b, unit[b][k])
+            policy.end_step()
+        return chosen
+
+    closed = run(True)
+    assert closed[20:40] == [3] * 20 and closed[40] == 0
+    assert closed[41:120] == [0] * 79  # (the budget's wait at batch 16: 3 x 3.4 / 0.02 steps)
+    served = run(False)
+    assert served[:41] == closed[:41]
+    recheck = served.index(3, 41)  # the depth it left, recheck_steps later, not after the budget's wait
+    assert 41 + AdaptivePolicy.recheck_steps - 2 <= recheck <= 41 + AdaptivePolicy.recheck_steps + 1
+    assert served[recheck:recheck + 6] == [3] * 6 and served[recheck + 6:] == [0] * (120 - recheck - 6)
 
 
 def test_a_dear_probe_waits_until_the_steps_since_the_last_one_pay_for_it():
