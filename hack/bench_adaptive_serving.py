@@ -9,7 +9,11 @@ server's mean chosen k per level comes from its mtp_spec_decode_num_speculative_
 (_sum / _count scraped around the level). Writes results.json, results.md and speedup.png to OUT.
 
     python hack/bench_adaptive_serving.py MODEL_DIR OUT [--concurrency 1,2,4,8,16,32] [--repeats 3]
-        [--output-spread N]
+        [--output-spread N] [--settings k=0,k=1,k=3,adaptive K=3]
+
+--settings runs a subset of the servers (k = 0 and the adaptive one always run). With
+$MTP_SPEC_POLICY_TRACE naming a file, the adaptive server writes its policy's trace there
+(engine/spec_policy.py: every full choice, probe and probe result, one JSON line each).
 
 With --output-spread N each request asks for --output-len + a seeded offset in [-N, N] tokens (the same
 on every server): with equal lengths, requests that start together at k = 0 also finish together and
