@@ -133,6 +133,8 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         if self.policy.adaptive:  # (graph mode: a greedy prompt's first drafts wait for its first decode step)
             self.policy.first_drafts_deferred = bool(self.runner.decode_steps)
+            # (what a probe up from k = 0 fills: AdaptivePolicy._probe_wait)
+            self.policy.unseen_positions = lambda: sum(map(self._unseen_positions, self.scheduler.running))
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(

@@ -83,7 +83,12 @@ the depth in use, sets it back; and a probe of a depth dearer than the one in
 use waits until its steps' extra cost is at most `probe_budget` (2%) of the time
 since the last probe (closed batches of 16: a k = 1 step cost twice a k = 0
 one, and with a close call every ~128 steps, its probes, fills and cold steps
-held the policy at 0.91x k = 0; now 1.01x). A wait is counted again every
+held the policy at 0.91x k = 0; now 1.01x). A probe up from k = 0 also pays the draft's fill of
+the keys the steps at k = 0 left out, every running sequence's prompt and tokens since (engine:
+`unseen_positions`, times the draft pass's seconds a position), and that counts in its wait too:
+with a draft gone bad at batch 1 (the drift benchmark, bench preset) a fill of ~190 positions at
+~41 us each came with every probe, every ~300 steps of 0.45 ms, and an adaptive engine held at
+k = 0 ran 0.77-0.87 of fixed k = 0. A wait is counted again every
 quarter interval, at the batch size then. (A probe that moved its depth's cost by more
 than 3% used to set it back; timings at batch 4 are noisy by more than that,
 the gap seldom grew, and with a draft that never agreed an engine held at k =
@@ -565,6 +570,9 @@ class AdaptivePolicy:
     # set by the engine: a greedy prompt's first drafts wait for its first decode step (graph mode), which
     # verifies filler (module docstring)
     first_drafts_deferred: bool = field(init=False, default=False)
+    # set by the engine: the positions of the running sequences the draft has not passed over (the keys steps
+    # at k = 0 left out), which the first step at k > 0 fills; asked only when a probe up is due
+    unseen_positions: object = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_k, int) or self.max_k < 1:
@@ -1302,13 +1310,17 @@ class AdaptivePolicy:
         return None
 
     def _probe_wait(self, k: int, batch_size: int) -> int:
-        """Steps a probe of depth k must still wait for its steps' cost above the depth in use's to be
-        at most `probe_budget` of the time since the last probe (module docstring); 0: probe now."""
+        """Steps a probe of depth k must still wait for its steps' cost above the depth in use's, and the
+        draft's fill of the keys steps at k = 0 left out, to be at most `probe_budget` of the time since
+        the last probe (module docstring); 0: probe now."""
         costs = self.step_costs(max(1, batch_size))
         now, then = costs[self._current], costs[k]
         if now is None or then is None or then <= now:
             return 0
-        paid_by = self.probe_steps * (then - now) / (self.probe_budget * now)  # steps at the depth in use
+        extra = self.probe_steps * (then - now)
+        if self.unseen_positions is not None and k:  # the fill of the keys steps at k = 0 left out
+            extra += self.unseen_positions() * self.draft_pass_seconds()[0]
+        paid_by = extra / (self.probe_budget * now)  # steps at the depth in use
         return max(0, math.ceil(paid_by - self._since_probe))
 
     def _start_probe(self, k: int) -> int:

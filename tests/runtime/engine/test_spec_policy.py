@@ -1421,3 +1421,24 @@ def test_the_trace_records_each_revision_probe_and_probe_result_and_a_bad_path_n
     monkeypatch.setenv("MTP_SPEC_POLICY_TRACE", str(tmp_path / "missing" / "trace.jsonl"))
     with pytest.raises(ValueError, match=r"MTP_SPEC_POLICY_TRACE.*missing"):
         make_policy(3, True)
+
+
+def test_a_probe_up_from_k_0_waits_for_the_draft_s_fill_of_the_keys_left_out_too():
+    """The first step at k > 0 after steps at k = 0 fills the draft keys they left out (every running
+    sequence's prompt and tokens since, at batch 1 on the bench preset ~190 positions at ~41 us): with a
+    draft gone bad, an engine held at k = 0 paid that with every probe and ran 0.77-0.87 of fixed k = 0.
+    The fill counts in the probe's wait as the probe's own extra steps do."""
+    def policy_at_k0(unseen):
+        policy = _seeded(AdaptivePolicy(3, prior_weight=1e-9, probe_interval=10**6), lambda k, b: 1.0 + k)
+        policy.record_verifies([(3, 0)] * 40)  # a draft that never agrees: k = 0
+        policy.record_draft_pass(100, 0.5)  # 5 ms a position
+        if unseen is not None:
+            policy.unseen_positions = lambda: unseen
+        assert [policy.choose(1) for _ in range(5)] == [0] * 5
+        return policy
+
+    # k = 3 costs 4 where k = 0 costs 1: 6 steps x 3 extra / (0.02 x 1) = 900 steps; a fill of 200
+    # positions at 5 ms is 1 more unit: 950
+    assert policy_at_k0(None)._probe_wait(3, 1) == policy_at_k0(0)._probe_wait(3, 1) == 900 - 5
+    assert policy_at_k0(200)._probe_wait(3, 1) == 950 - 5
+    assert policy_at_k0(200)._probe_wait(0, 1) == 0  # (a probe down fills nothing and waits for nothing)
