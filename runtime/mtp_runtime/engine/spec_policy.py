@@ -87,8 +87,9 @@ held the policy at 0.91x k = 0; now 1.01x). A probe up from k = 0 also pays the 
 the keys the steps at k = 0 left out, every running sequence's prompt and tokens since (engine:
 `unseen_positions`, times the draft pass's seconds a position), and that counts in its wait too:
 with a draft gone bad at batch 1 (the drift benchmark, bench preset) a fill of ~190 positions at
-~41 us each came with every probe, every ~300 steps of 0.45 ms, and an adaptive engine held at
-k = 0 ran 0.77-0.87 of fixed k = 0. A wait is counted again every
+~41 us each came with every probe, every ~300 steps of 0.45 ms (~6% by that count). (An adaptive
+engine held at k = 0 there ran 0.77-0.87 of fixed k = 0 before this and 0.70 after: the fill is
+not what costs it there, and what does is not found.) A wait is counted again every
 quarter interval, at the batch size then. (A probe that moved its depth's cost by more
 than 3% used to set it back; timings at batch 4 are noisy by more than that,
 the gap seldom grew, and with a draft that never agreed an engine held at k =
